@@ -1,0 +1,13 @@
+"""blink_horovod: Blink's topology-specific spanning-tree collectives as a Horovod plugin.
+
+Importing this package never imports a framework or Horovod.  See
+../shared/DESIGN.md for the layers and ../shared/spec/FORMATS.md for the
+public contracts.
+"""
+
+from __future__ import annotations
+
+from ._stats import stats
+
+__version__ = "0.1.0"
+__all__ = ["stats", "__version__"]

@@ -1,0 +1,159 @@
+"""Every ``BLINK_*`` environment variable, read and validated in one place.
+
+The launcher (``blinkrun --blink-*``) maps its flags one-to-one onto these
+names (``LAUNCHER_FLAGS``), in the manner of Horovod's
+``runner/common/util/config_parser.py``.  An invalid value raises
+:class:`~blink_horovod.errors.ConfigError` naming the variable and the value.
+See ../shared/spec/FORMATS.md section 4 for the contract.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from .errors import ConfigError
+from .units import parse_size
+
+__all__ = [
+    "BLINK_ENABLE",
+    "BLINK_TOPOLOGY",
+    "BLINK_LOCAL_SIZE",
+    "BLINK_CHUNK_BYTES",
+    "BLINK_PLAN_CACHE",
+    "BLINK_TIMEOUT_SECONDS",
+    "BLINK_STALL_CHECK_SECONDS",
+    "BLINK_LOG_LEVEL",
+    "BLINK_FAULT",
+    "ALL_VARIABLES",
+    "LAUNCHER_FLAGS",
+    "Config",
+    "load_config",
+]
+
+BLINK_ENABLE = "BLINK_ENABLE"
+BLINK_TOPOLOGY = "BLINK_TOPOLOGY"
+BLINK_LOCAL_SIZE = "BLINK_LOCAL_SIZE"
+BLINK_CHUNK_BYTES = "BLINK_CHUNK_BYTES"
+BLINK_PLAN_CACHE = "BLINK_PLAN_CACHE"
+BLINK_TIMEOUT_SECONDS = "BLINK_TIMEOUT_SECONDS"
+BLINK_STALL_CHECK_SECONDS = "BLINK_STALL_CHECK_SECONDS"
+BLINK_LOG_LEVEL = "BLINK_LOG_LEVEL"
+# Fault injection for the reliability tests only (see runtime.faults):
+# "ACTION:after=K[:rank=R]" with ACTION in kill, raise, stall, corrupt.
+BLINK_FAULT = "BLINK_FAULT"
+
+ALL_VARIABLES = (
+    BLINK_ENABLE,
+    BLINK_TOPOLOGY,
+    BLINK_LOCAL_SIZE,
+    BLINK_CHUNK_BYTES,
+    BLINK_PLAN_CACHE,
+    BLINK_TIMEOUT_SECONDS,
+    BLINK_STALL_CHECK_SECONDS,
+    BLINK_LOG_LEVEL,
+    BLINK_FAULT,
+)
+
+# blinkrun flag -> variable (one-to-one, as Horovod's launcher argument groups).
+LAUNCHER_FLAGS = {
+    "--blink-topology": BLINK_TOPOLOGY,
+    "--blink-chunk-bytes": BLINK_CHUNK_BYTES,
+    "--blink-timeout": BLINK_TIMEOUT_SECONDS,
+    "--blink-stall-check": BLINK_STALL_CHECK_SECONDS,
+    "--blink-log-level": BLINK_LOG_LEVEL,
+    "--blink-local-size": BLINK_LOCAL_SIZE,
+    "--blink-plan-cache": BLINK_PLAN_CACHE,
+}
+
+LOG_LEVELS = ("warning", "info", "debug")
+DEFAULT_TIMEOUT_SECONDS = 600.0
+DEFAULT_STALL_CHECK_SECONDS = 60.0
+
+
+def _default_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "blink_horovod" / "plans"
+
+
+@dataclass(frozen=True)
+class Config:
+    """The validated values of every ``BLINK_*`` variable."""
+
+    enable: bool = False
+    topology: str | None = None
+    local_size: int | None = None
+    chunk_bytes: int | None = None
+    plan_cache: Path = _default_cache()
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    stall_check_seconds: float = DEFAULT_STALL_CHECK_SECONDS
+    log_level: str = "warning"
+    fault: str | None = None
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(f"{name}: expected 1 or 0, got {env[name]!r}")
+
+
+def _positive_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: expected a positive integer, got {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{name}: expected a positive integer, got {raw!r}")
+    return value
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: expected seconds (a positive number), got {raw!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name}: expected seconds (a positive number), got {raw!r}")
+    return value
+
+
+def load_config(env: Mapping[str, str] | None = None) -> Config:
+    """Read and validate every ``BLINK_*`` variable of ``env`` (default ``os.environ``).
+
+    Raises
+    ------
+    ConfigError
+        naming the variable and its value, for any invalid setting.
+    """
+    env = os.environ if env is None else env
+    chunk_raw = env.get(BLINK_CHUNK_BYTES, "").strip()
+    chunk = parse_size(chunk_raw, BLINK_CHUNK_BYTES) if chunk_raw else None
+    if chunk is not None and chunk <= 0:
+        raise ConfigError(f"{BLINK_CHUNK_BYTES}: expected a positive size, got {chunk_raw!r}")
+    level = env.get(BLINK_LOG_LEVEL, "").strip().lower() or "warning"
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"{BLINK_LOG_LEVEL}: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    cache_raw = env.get(BLINK_PLAN_CACHE, "").strip()
+    return Config(
+        enable=_flag(env, BLINK_ENABLE),
+        topology=env.get(BLINK_TOPOLOGY, "").strip() or None,
+        local_size=_positive_int(env, BLINK_LOCAL_SIZE),
+        chunk_bytes=chunk,
+        plan_cache=Path(cache_raw) if cache_raw else _default_cache(),
+        timeout_seconds=_seconds(env, BLINK_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS),
+        stall_check_seconds=_seconds(env, BLINK_STALL_CHECK_SECONDS, DEFAULT_STALL_CHECK_SECONDS),
+        log_level=level,
+        fault=env.get(BLINK_FAULT, "").strip() or None,
+    )

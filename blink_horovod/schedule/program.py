@@ -1,0 +1,101 @@
+"""Per-rank programs: the contract between the schedule compiler, the symbolic
+checker, the simulator and the runtimes.
+
+The model is *pull over shared buffers*, which fits both runtimes: each rank
+owns one buffer of ``count`` elements that every peer of the server can read
+(POSIX shared memory on CPU, a CUDA IPC mapping on GPU), and a small array of
+flags in the same shared memory.  A rank never writes a peer's memory except
+by setting its *own* flags; it reads a peer's buffer only after waiting for the
+peer's flag that says the region is ready.
+
+Operations (:class:`Op`), executed by rank ``r`` on its own buffer ``B_r``:
+
+``post``   set ``flags_r[flag] = epoch``: "every op I listed in ``after`` (and,
+           for a sequential executor, every op before this one) is done".
+``copy``   wait until ``flags_peer[flag] >= epoch``, then
+           ``B_r[offset:offset+count] = B_peer[offset:offset+count]``.
+``reduce`` wait as for ``copy``, then
+           ``B_r[offset:offset+count] = op(B_r[...], B_peer[...])``.
+
+``epoch`` is the sequence number of the collective, the same on every rank, so
+flags never need resetting.  ``step`` is the pipeline step of the op: every op
+waits only for posts of strictly smaller steps, so executing each rank's ops in
+list order (sorted by step) cannot deadlock, and an executor with several
+lanes may run ops concurrently as long as it honours ``stream`` order and the
+``after`` indices (ops of the same rank that must complete first: the writes a
+post covers, or an earlier write to the same region).
+
+Between collectives an executor must not overwrite its buffer with new input
+while a peer may still read it: :meth:`Program.readers` says who reads whom,
+and the executor waits for their "done" of the previous epoch first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Literal
+
+__all__ = ["OpKind", "Op", "Program", "PROGRAM_KINDS"]
+
+OpKind = Literal["post", "copy", "reduce"]
+
+# allreduce: reduce up then broadcast down, pipelined (single server).
+# reduce:    up only; tree roots end with their share reduced (hierarchical stage 1).
+# broadcast: down only, from each tree's root (broadcast plans, and hierarchical stage 3).
+PROGRAM_KINDS = ("allreduce", "reduce", "broadcast")
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One step of one rank's program (see the module docstring)."""
+
+    kind: OpKind
+    peer: int = -1  # rank index (position in plan.gpus) read from; -1 for post
+    flag: int = 0  # post: own flag set; copy/reduce: the peer's flag awaited
+    offset: int = 0  # first element of the region (same on both sides)
+    count: int = 0  # elements in the region
+    tree: int = -1  # index into plan.trees (-1: not tree-specific, e.g. the start post)
+    chunk: int = -1  # chunk index within the tree's share
+    step: int = 0  # pipeline step: waits only for posts of smaller steps
+    stream: int = 0  # lane on this rank (GPU stream); ops of one lane run in order
+    channel: str = "nvlink"  # nvlink or pcie: which channel moves the bytes
+    after: tuple[int, ...] = ()  # indices of this rank's ops that must finish first
+
+
+@dataclass(frozen=True)
+class Program:
+    """A compiled collective for every rank of one server.
+
+    ``ranks[r]`` lists rank r's ops in execution order; rank r is the r-th GPU
+    of the plan (``plan.gpus[r]``).  ``segments[r]`` is the element range that
+    rank r roots (allreduce/reduce plans: the i-th contiguous 1/n; broadcast:
+    the whole buffer on the root), which the cross-server stage reduces.
+    """
+
+    kind: str
+    nranks: int
+    count: int  # elements per rank buffer
+    chunk_elems: int
+    ranks: tuple[tuple[Op, ...], ...]
+    nflags: tuple[int, ...]  # flags each rank uses (indices 0 .. nflags-1)
+    nstreams: tuple[int, ...]  # lanes each rank uses
+    segments: tuple[tuple[int, int], ...] = ()
+    root: int | None = None  # broadcast plans: rank index of the root
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def ops(self) -> Iterator[tuple[int, int, Op]]:
+        """Every ``(rank, index, op)``."""
+        for r, ops in enumerate(self.ranks):
+            for i, op in enumerate(ops):
+                yield r, i, op
+
+    def readers(self) -> tuple[frozenset[int], ...]:
+        """``readers()[r]``: the ranks that read rank r's buffer."""
+        out: list[set[int]] = [set() for _ in range(self.nranks)]
+        for r, _, op in self.ops():
+            if op.kind != "post":
+                out[op.peer].add(r)
+        return tuple(frozenset(s) for s in out)
+
+    def num_ops(self) -> int:
+        return sum(len(ops) for ops in self.ranks)
