@@ -1,0 +1,289 @@
+#!/usr/bin/env bash
+# Install the blink_horovod development environment into .venv/ at the repo root.
+#
+#   1. system packages (compiler, cmake, patch, Open MPI)   -- apt, only if missing
+#   2. .venv/ with Python 3.11                              -- only if missing
+#   3. requirements.txt (pinned; torch is the local CPU build)
+#   4. horovod 0.28.1 built from the sdist with patches/horovod-0.28.1.patch
+#      (PyTorch + TensorFlow, Gloo + MPI)                    -- skipped if already built
+#   5. loud verification of the horovod build
+#   6. `pip install -e .` of this project
+#
+# Idempotent: re-running it after a completed install takes a few seconds
+# (a stamp in .venv/ records what was installed; horovod is re-verified every time).
+#
+# Environment:
+#   BLINK_SKIP_HOROVOD=1   skip steps 4-5 (quick dev env without horovod)
+#   BLINK_BUILD_JOBS=N     parallel compile jobs for horovod (default 2)
+#   BLINK_PYTHON=path      interpreter for the venv (default python3.11)
+#   BLINK_FORCE=1          ignore stamps: re-run pip and rebuild horovod
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+HVD_VERSION=0.28.1
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+BUILD="$ROOT/.build"
+REQ="$ROOT/requirements.txt"
+PATCH="$ROOT/patches/horovod-$HVD_VERSION.patch"
+STAMP="$VENV/.blink-install.stamp"          # whole install completed
+REQ_STAMP="$VENV/.blink-requirements.sha256" # requirements.txt that was installed
+HVD_STAMP="$VENV/.blink-horovod.sha256"      # patch + version horovod was built with
+DEV_STAMP="$VENV/.blink-editable.sha256"     # setup.py that was installed with -e
+APT_PKGS=(build-essential cmake patch libopenmpi-dev openmpi-bin)
+SKIP_HVD="${BLINK_SKIP_HOROVOD:-0}"
+JOBS="${BLINK_BUILD_JOBS:-2}"
+FORCE="${BLINK_FORCE:-0}"
+NSTEPS=6
+
+T0=$SECONDS
+log()  { printf '[install %4ds] %s\n' "$((SECONDS - T0))" "$*"; }
+step() { local n=$1; shift; printf '[install %4ds] step %s/%s: %s\n' "$((SECONDS - T0))" "$n" "$NSTEPS" "$*"; }
+die()  {
+    printf '\n[install] ERROR: %s\n' "$*" >&2
+    printf '[install] install FAILED after %ds\n' "$((SECONDS - T0))" >&2
+    exit 1
+}
+trap 'rc=$?; printf "\n[install] ERROR: command failed (exit %s) at %s:%s: %s\n[install] install FAILED after %ds\n" "$rc" "${BASH_SOURCE[0]}" "$LINENO" "$BASH_COMMAND" "$((SECONDS - T0))" >&2' ERR
+
+sha() { sha256sum "$@" | awk '{print $1}' | sha256sum | awk '{print $1}'; }
+stamp_is() { [ "$FORCE" != 1 ] && [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
+
+[ -f "$REQ" ] || die "missing $REQ"
+[ -f "$PATCH" ] || die "missing $PATCH"
+[ -f "$ROOT/setup.py" ] || [ -f "$ROOT/pyproject.toml" ] || die "no setup.py / pyproject.toml at $ROOT"
+
+SITE_HASH="$(sha "$REQ" "$PATCH" "$ROOT/setup.py" 2>/dev/null || sha "$REQ" "$PATCH")"
+HVD_HASH="horovod==$HVD_VERSION $(sha "$PATCH")"
+
+# ---------------------------------------------------------------------------
+step 1 "system packages (${APT_PKGS[*]})"
+missing=()
+if command -v dpkg-query >/dev/null 2>&1; then
+    for p in "${APT_PKGS[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+    done
+else
+    # not Debian: accept the tools if they are on PATH
+    for c in g++ make cmake patch mpicxx mpirun; do
+        command -v "$c" >/dev/null 2>&1 || missing+=("$c")
+    done
+    [ ${#missing[@]} -eq 0 ] || die "no dpkg/apt here and missing tools: ${missing[*]}; install them by hand"
+fi
+if [ ${#missing[@]} -eq 0 ]; then
+    log "  all present, skipping apt"
+else
+    log "  missing: ${missing[*]} -> apt-get install (takes ~10-60 s)"
+    SUDO=()
+    if [ "$(id -u)" -ne 0 ]; then
+        command -v sudo >/dev/null 2>&1 || die "not root and no sudo: install ${missing[*]} by hand"
+        SUDO=(sudo)
+    fi
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+        || die "apt-get update failed"
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" \
+        || die "apt-get install ${missing[*]} failed"
+    log "  apt done"
+fi
+
+# ---------------------------------------------------------------------------
+step 2 "virtual environment $VENV"
+if [ -x "$PY" ] && "$PY" -c 'import sys' >/dev/null 2>&1; then
+    log "  exists ($("$PY" -V 2>&1))"
+else
+    BASE_PY="${BLINK_PYTHON:-}"
+    if [ -z "$BASE_PY" ]; then
+        if command -v python3.11 >/dev/null 2>&1; then
+            BASE_PY=python3.11
+        elif command -v python3 >/dev/null 2>&1 && python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+            BASE_PY=python3
+        else
+            die "python3.11 not found (set BLINK_PYTHON=/path/to/python3.11)"
+        fi
+    fi
+    [ -e "$VENV" ] && { log "  $VENV is broken, recreating"; rm -rf "$VENV"; }
+    "$BASE_PY" -m venv "$VENV" || die "could not create venv with $BASE_PY (Debian: apt-get install python3.11-venv)"
+    rm -f "$STAMP" "$REQ_STAMP" "$HVD_STAMP" "$DEV_STAMP"
+    log "  created with $("$PY" -V 2>&1)"
+fi
+"$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
+    || die "$PY is $("$PY" -V 2>&1), need Python 3.11 (rm -rf .venv and re-run)"
+
+# Fast path: a completed install with the same inputs.
+if stamp_is "$STAMP" "$SITE_HASH horovod=built" \
+   || { [ "$SKIP_HVD" = 1 ] && stamp_is "$STAMP" "$SITE_HASH horovod=skipped"; }; then
+    FAST=1
+else
+    FAST=0
+fi
+
+# ---------------------------------------------------------------------------
+step 3 "pip install -r requirements.txt (cold: ~70 s, TensorFlow is a 572 MB download)"
+REQ_HASH="$(sha "$REQ")"
+if stamp_is "$REQ_STAMP" "$REQ_HASH"; then
+    log "  requirements already installed (stamp matches), skipping pip"
+else
+    rm -f "$STAMP"
+    "$PY" -m pip install --quiet --progress-bar off -r "$REQ" || die "pip install -r requirements.txt failed"
+    echo "$REQ_HASH" >"$REQ_STAMP"
+    log "  requirements installed"
+fi
+# A CUDA torch would make horovod attempt a GPU build (fails here: no CUDA toolkit).
+"$PY" - <<'EOF' || die "torch in .venv is not the pinned CPU build (see requirements.txt)"
+import torch, sys
+v = torch.__version__
+if torch.version.cuda is not None:
+    sys.exit(f"torch {v} is a CUDA build (cuda {torch.version.cuda}); expected the local CPU build 2.13.0+cpu")
+print(f"[install]   torch {v} (CPU build)")
+EOF
+
+# ---------------------------------------------------------------------------
+# Quick check (no framework import): horovod installed, with the version we want,
+# a real metadata.json and the compiled framework libraries present.
+horovod_files_ok() {
+    "$PY" - "$HVD_VERSION" <<'EOF'
+import importlib.util, json, os, sys, glob
+spec = importlib.util.find_spec("horovod")
+if spec is None or not spec.submodule_search_locations:
+    sys.exit("horovod is not installed")
+d = spec.submodule_search_locations[0]
+meta_path = os.path.join(d, "metadata.json")
+try:
+    meta = json.load(open(meta_path))
+except Exception as e:
+    sys.exit(f"cannot read {meta_path}: {e}")
+text = json.dumps(meta).lower()
+if "dummy" in meta or "torch" not in text or "tensorflow" not in text:
+    sys.exit(f"{meta_path} does not list both torch and tensorflow: {meta}")
+for sub in ("torch", "tensorflow"):
+    if not glob.glob(os.path.join(d, sub, "mpi_lib*.so")):
+        sys.exit(f"horovod/{sub} has no compiled mpi_lib*.so")
+from importlib.metadata import version
+if version("horovod") != sys.argv[1]:
+    sys.exit(f"horovod {version('horovod')} installed, want {sys.argv[1]}")
+EOF
+}
+
+# Full check: imports horovod.torch (and horovod.tensorflow when $1 = full).
+verify_horovod() {
+    TF_USE_LEGACY_KERAS=1 "$PY" - "${1:-quick}" <<'EOF'
+import importlib.util, json, os, sys
+mode = sys.argv[1]
+spec = importlib.util.find_spec("horovod")
+if spec is None:
+    sys.exit("horovod is not installed in .venv")
+meta_path = os.path.join(spec.submodule_search_locations[0], "metadata.json")
+meta = json.load(open(meta_path))
+print(f"[install]   {meta_path}: {json.dumps(meta)}")
+text = json.dumps(meta).lower()
+if "dummy" in meta or "torch" not in text or "tensorflow" not in text:
+    sys.exit("metadata.json does not list both torch and tensorflow: horovod was built "
+             "WITHOUT the frameworks (a plain `pip install horovod` does that)")
+import horovod.torch as hvd
+gloo, mpi = hvd.gloo_built(), hvd.mpi_built()
+print(f"[install]   horovod.torch: gloo_built()={gloo} mpi_built()={mpi} "
+      f"nccl_built()={hvd.nccl_built()} cuda_built()={hvd.cuda_built()}")
+if not (gloo and mpi):
+    sys.exit("horovod.torch lacks Gloo and/or MPI support")
+if not callable(getattr(hvd, "init", None)):
+    sys.exit("horovod.torch has no init(): the extension was not built")
+if mode == "full":
+    import horovod.tensorflow as hvd_tf
+    print(f"[install]   horovod.tensorflow: gloo_built()={hvd_tf.gloo_built()} mpi_built()={hvd_tf.mpi_built()}")
+    if not (hvd_tf.gloo_built() and hvd_tf.mpi_built()):
+        sys.exit("horovod.tensorflow lacks Gloo and/or MPI support")
+    import horovod.tensorflow.keras  # noqa: F401  (needs TF_USE_LEGACY_KERAS=1 + the patch)
+    print("[install]   horovod.tensorflow.keras imports (TF_USE_LEGACY_KERAS=1)")
+EOF
+}
+
+step 4 "horovod $HVD_VERSION (PyTorch + TensorFlow, Gloo + MPI)"
+BUILT_NOW=0
+if [ "$SKIP_HVD" = 1 ]; then
+    log "  BLINK_SKIP_HOROVOD=1: skipping the horovod build"
+elif stamp_is "$HVD_STAMP" "$HVD_HASH" && horovod_files_ok >/dev/null 2>&1; then
+    log "  horovod $HVD_VERSION already built with this patch, skipping the build"
+else
+    rm -f "$STAMP" "$HVD_STAMP"
+    log "  building horovod (takes ~4 min on 2 cores) ..."
+    mkdir -p "$BUILD/sdist"
+    SDIST="$(ls "$BUILD"/sdist/horovod-"$HVD_VERSION".tar.gz 2>/dev/null || true)"
+    if [ -z "$SDIST" ]; then
+        log "  downloading the horovod==$HVD_VERSION sdist"
+        # --no-build-isolation: pip prepares the sdist's metadata with the venv's
+        # setuptools instead of fetching (and, with --no-binary, compiling) its own.
+        "$PY" -m pip download --quiet --progress-bar off --no-deps --no-binary :all: \
+            --no-build-isolation -d "$BUILD/sdist" "horovod==$HVD_VERSION" \
+            || die "pip download horovod==$HVD_VERSION failed"
+        SDIST="$BUILD/sdist/horovod-$HVD_VERSION.tar.gz"
+        [ -f "$SDIST" ] || die "pip download did not produce $SDIST"
+    fi
+    SRC="$BUILD/horovod-$HVD_VERSION"
+    rm -rf "$SRC"
+    tar -xzf "$SDIST" -C "$BUILD"
+    [ -d "$SRC" ] || die "unpacking $SDIST did not give $SRC"
+    log "  applying $(basename "$PATCH")"
+    patch -d "$SRC" -p1 --forward --batch <"$PATCH" >"$BUILD/patch.log" 2>&1 \
+        || { cat "$BUILD/patch.log" >&2; die "patch $PATCH does not apply to horovod $HVD_VERSION"; }
+    BUILD_LOG="$BUILD/horovod-build.log"
+    log "  compiling (log: ${BUILD_LOG#"$ROOT"/}, MAKEFLAGS=-j$JOBS)"
+    # unset CUDA hints so horovod never attempts a GPU build here
+    env -u HOROVOD_GPU -u HOROVOD_GPU_OPERATIONS -u HOROVOD_GPU_ALLREDUCE -u HOROVOD_GPU_BROADCAST \
+        HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 \
+        HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1 \
+        MAKEFLAGS="-j$JOBS" \
+        "$PY" -m pip install --no-build-isolation --no-deps --no-cache-dir --progress-bar off -v "$SRC" \
+        >"$BUILD_LOG" 2>&1 &
+    pid=$!
+    t_build=$SECONDS
+    rc=0
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep 5
+        if [ $(( (SECONDS - t_build) % 30 )) -lt 5 ] && kill -0 "$pid" 2>/dev/null; then
+            last="$(grep -aoE '\[ *[0-9]+%\][^\r]*' "$BUILD_LOG" 2>/dev/null | tail -n 1 | cut -c1-100 || true)"
+            log "  ... still compiling ($((SECONDS - t_build)) s) ${last}"
+        fi
+    done
+    wait "$pid" || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        echo "------ last 60 lines of $BUILD_LOG ------" >&2
+        tail -n 60 "$BUILD_LOG" >&2
+        die "horovod build failed (exit $rc); full log: $BUILD_LOG"
+    fi
+    log "  horovod compiled and installed in $((SECONDS - t_build)) s"
+    BUILT_NOW=1
+fi
+
+# ---------------------------------------------------------------------------
+step 5 "verify the horovod build"
+if [ "$SKIP_HVD" = 1 ]; then
+    log "  BLINK_SKIP_HOROVOD=1: not verifying horovod"
+else
+    if [ "$BUILT_NOW" = 1 ] || [ "$FAST" = 0 ]; then mode=full; else mode=quick; fi
+    verify_horovod "$mode" || die "horovod verification FAILED (see message above; rebuild with BLINK_FORCE=1)"
+    echo "$HVD_HASH" >"$HVD_STAMP"
+    log "  horovod OK"
+fi
+
+# ---------------------------------------------------------------------------
+step 6 "pip install -e . (blink_horovod)"
+DEV_HASH="$(sha "$ROOT/setup.py" 2>/dev/null || sha "$ROOT/pyproject.toml")"
+if stamp_is "$DEV_STAMP" "$DEV_HASH" && "$PY" -m pip show blink_horovod >/dev/null 2>&1; then
+    log "  already installed in editable mode, skipping"
+else
+    # --no-build-isolation: use the venv's pinned setuptools (PEP 660 editable).
+    "$PY" -m pip install --quiet --no-build-isolation --use-pep517 -e "$ROOT" \
+        || die "pip install -e . failed"
+    echo "$DEV_HASH" >"$DEV_STAMP"
+    log "  installed"
+fi
+"$PY" -c 'import blink_horovod, os; print("[install]   blink_horovod ->", os.path.dirname(blink_horovod.__file__))' \
+    || die "blink_horovod does not import from .venv"
+
+if [ "$SKIP_HVD" = 1 ]; then hv=skipped; else hv=built; fi
+# Keep a "built" stamp when a skip-run follows a full install (horovod is still there).
+if [ "$hv" = skipped ] && stamp_is "$STAMP" "$SITE_HASH horovod=built"; then hv=built; fi
+echo "$SITE_HASH horovod=$hv" >"$STAMP"
+log "install complete (horovod: $hv) in $((SECONDS - T0)) s; activate with: source .venv/bin/activate"
