@@ -140,7 +140,7 @@ class Plan:
             if not _is_int(t.get("root")):
                 raise PlanError(f"trees[{i}].root: expected a GPU id, got {t.get('root')!r}")
             frac = t.get("fraction")
-            if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not math.isfinite(frac) or frac < 0:
+            if _number(frac) is None or frac < 0:
                 raise PlanError(f"trees[{i}].fraction: expected a number in [0, 1], got {frac!r}")
             channel = t.get("channel", "nvlink")
             if channel not in CHANNELS:
@@ -153,15 +153,23 @@ class Plan:
             trees.append(Tree(t["root"], float(frac), tuple((e[0], e[1]) for e in edges), channel))
         known = {"format", "collective", "topology", "gpus", "root", "channels", "rate_gbps", "optimum_gbps", "nvlink_optimum_gbps", "trees"}
         channels = data.get("channels") or sorted({t.channel for t in trees}, key=CHANNELS.index)
+        if not isinstance(channels, list) or not all(isinstance(c, str) and c in CHANNELS for c in channels):
+            raise PlanError(f"channels: expected a list of {', '.join(CHANNELS)}, got {channels!r}")
+        rates = {}
+        for key in ("rate_gbps", "optimum_gbps", "nvlink_optimum_gbps"):
+            value = data.get(key, None if key == "nvlink_optimum_gbps" else 0.0)
+            if value is not None and (_number(value) is None or value < 0):
+                raise PlanError(f"{key}: expected a non-negative number of GB/s, got {value!r}")
+            rates[key] = None if value is None else float(value)
         plan = cls(
             collective=coll,
             topology=str(data.get("topology", "custom")),
             gpus=tuple(gpus),
             root=root,
             trees=tuple(trees),
-            rate_gbps=float(data.get("rate_gbps", 0.0)),
-            optimum_gbps=float(data.get("optimum_gbps", 0.0)),
-            nvlink_optimum_gbps=None if data.get("nvlink_optimum_gbps") is None else float(data["nvlink_optimum_gbps"]),
+            rate_gbps=rates["rate_gbps"],
+            optimum_gbps=rates["optimum_gbps"],
+            nvlink_optimum_gbps=rates["nvlink_optimum_gbps"],
             channels=tuple(channels),
             extras={k: v for k, v in data.items() if k not in known},
         )
@@ -171,13 +179,28 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         try:
-            return cls.from_dict(json.loads(text))
+            data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlanError(f"plan: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        except (ValueError, RecursionError) as exc:
+            # Not UTF-8, an integer of more than 4300 digits, or nesting too deep to parse.
+            raise PlanError(f"plan: not a JSON plan: {type(exc).__name__}: {str(exc)[:120]}") from None
+        return cls.from_dict(data)
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(x: Any) -> float | None:
+    """``x`` as a finite float, or None (bools, non-numbers, inf, nan, ints beyond float range)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        value = float(x)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def validate_plan(plan: Plan, topology: Topology | None = None) -> None:

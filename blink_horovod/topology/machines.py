@@ -128,6 +128,8 @@ MACHINES: dict[str, Callable[[], Topology]] = {
 }
 
 _SIZED = re.compile(r"^(pcie|cpu)(\d+)$")
+# pcieN / cpuN build N^2 links: far beyond any server, a typo would take hours and all memory.
+MAX_SIZED_MACHINE = 1024
 
 
 def parse_gpu_list(text: str, field: str = "gpus") -> list[int]:
@@ -137,7 +139,7 @@ def parse_gpu_list(text: str, field: str = "gpus") -> list[int]:
         raise TopologyError(f"{field}: empty GPU list {text!r}")
     out = []
     for p in parts:
-        if not re.fullmatch(r"\d+", p):
+        if not re.fullmatch(r"\d{1,9}", p):
             raise TopologyError(f"{field}: not a GPU id: {p!r} in {text!r}")
         out.append(int(p))
     if len(set(out)) != len(out):
@@ -146,12 +148,22 @@ def parse_gpu_list(text: str, field: str = "gpus") -> list[int]:
     return out
 
 
+def _is_file(path: str) -> bool:
+    """``Path.is_file`` that says False, not raises, for names the OS refuses (too long, NUL)."""
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def machine(name: str) -> Topology:
     """A built-in machine by name (``dgx1v``, ``pcie4``, ``cpu8``, ...)."""
     if name in MACHINES:
         return MACHINES[name]()
     m = _SIZED.match(name)
     if m:
+        if len(m.group(2)) > 4 or int(m.group(2)) > MAX_SIZED_MACHINE:
+            raise TopologyError(f"topology: {name!r} has more than {MAX_SIZED_MACHINE} GPUs")
         return MACHINES[m.group(1)](int(m.group(2)))  # type: ignore[call-arg]
     names = ", ".join(list(MACHINES) + ["pcieN", "cpuN"])
     raise TopologyError(f"topology: unknown machine {name!r} (built-in: {names}; or a topology file)")
@@ -168,22 +180,30 @@ def resolve(spec: str, gpus: Sequence[int] | str | None = None) -> Topology:
     spec = spec.strip()
     alloc: list[int] | None = None
     base = spec
-    path = Path(spec)
-    if not path.is_file() and ":" in spec and not os.sep in spec.split(":", 1)[0]:
+    if not _is_file(spec) and ":" in spec and not os.sep in spec.split(":", 1)[0]:
         base, _, alloc_text = spec.partition(":")
         alloc = parse_gpu_list(alloc_text, "topology")
     if base == "local":
         from .probe import probe_local  # lazy: needs NVML
 
         topo = probe_local()
-    elif Path(base).is_file():
-        topo = Topology.from_json(Path(base).read_text(), source=base)
+    elif _is_file(base):
+        try:
+            text = Path(base).read_bytes()
+        except OSError as exc:
+            raise TopologyError(f"topology: cannot read {base!r}: {exc.strerror or exc}") from None
+        topo = Topology.from_json(text, source=base)  # type: ignore[arg-type]  # bytes: json decodes UTF-8
     elif base.endswith(".json") or os.sep in base:
         raise TopologyError(f"topology: no such file {base!r}")
     else:
         topo = machine(base)
     if gpus is not None:
-        chosen = parse_gpu_list(gpus, "gpus") if isinstance(gpus, str) else list(gpus)
+        if isinstance(gpus, str):
+            chosen = parse_gpu_list(gpus, "gpus")
+        elif isinstance(gpus, (list, tuple)):
+            chosen = list(gpus)
+        else:
+            raise TopologyError(f"gpus: expected a list of GPU ids or '0,1,2', got {gpus!r}")
         if alloc is not None and alloc != chosen:
             raise TopologyError(f"gpus: --gpus {chosen} disagrees with the allocation {alloc} in {spec!r}")
         alloc = chosen

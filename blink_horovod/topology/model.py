@@ -136,6 +136,9 @@ class Topology:
         gpus = tuple(gpus)
         if not gpus:
             raise TopologyError("gpus: empty GPU list")
+        bad = [g for g in gpus if not _is_int(g)]
+        if bad:
+            raise TopologyError(f"gpus: GPU id must be an integer, got {bad[0]!r} in {list(gpus)}")
         if len(set(gpus)) != len(gpus):
             dup = sorted({g for g in gpus if gpus.count(g) > 1})
             raise TopologyError(f"gpus: duplicate GPU ids {dup} in {list(gpus)}")
@@ -260,11 +263,14 @@ class Topology:
 
     @classmethod
     def from_json(cls, text: str, *, source: str | None = None) -> "Topology":
+        where = f"{source}: " if source else ""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            where = f"{source}: " if source else ""
             raise TopologyError(f"{where}malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        except (ValueError, RecursionError) as exc:
+            # Not UTF-8, an integer of more than 4300 digits, or nesting too deep to parse.
+            raise TopologyError(f"{where}not a JSON topology: {type(exc).__name__}: {str(exc)[:120]}") from None
         return cls.from_dict(data, source=source)
 
 
@@ -275,7 +281,10 @@ def _is_int(x: Any) -> bool:
 def _number(x: Any, fieldname: str) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise TopologyError(f"{fieldname}: expected a positive number of GB/s, got {x!r}")
-    x = float(x)
+    try:
+        x = float(x)
+    except OverflowError:  # an integer beyond float range (JSON allows 1000...0)
+        x = math.inf
     if not math.isfinite(x) or x <= 0:
         raise TopologyError(f"{fieldname}: bandwidth must be positive and finite, got {x!r}")
     return x
@@ -298,7 +307,8 @@ def validate(topo: Topology) -> None:
     for i, link in enumerate(topo.links):
         for key in ("src", "dst"):
             v = getattr(link, key)
-            if isinstance(v, bool) or v not in vertices or (isinstance(v, str) and v not in topo.switches):
+            # Only ints (GPUs) and strs (switches) are vertices: 0.0 == 0 and lists are unhashable.
+            if not (_is_int(v) or isinstance(v, str)) or v not in vertices or (isinstance(v, str) and v not in topo.switches):
                 raise TopologyError(f"links[{i}].{key}: link to unknown vertex {v!r}")
         if link.src == link.dst:
             raise TopologyError(f"links[{i}]: link from {link.src!r} to itself")
@@ -314,7 +324,7 @@ def validate(topo: Topology) -> None:
         placed: set[int] = set()
         for gi, group in enumerate(topo.pcie.switch_groups):
             for g in group:
-                if g not in seen:
+                if not _is_int(g) or g not in seen:
                     raise TopologyError(f"pcie.switch_groups[{gi}]: unknown GPU {g!r}")
                 if g in placed:
                     raise TopologyError(f"pcie.switch_groups[{gi}]: GPU {g} is in two groups")
