@@ -28,6 +28,19 @@ post covers, or an earlier write to the same region).
 Between collectives an executor must not overwrite its buffer with new input
 while a peer may still read it: :meth:`Program.readers` says who reads whom,
 and the executor waits for their "done" of the previous epoch first.
+
+Two flags of every rank have fixed meanings in compiled programs
+(:func:`blink_horovod.schedule.compile_program`):
+
+``START_FLAG`` (0)  posted first, at step 0, by a rank whose *input* a peer reads
+                    ("my input is in my buffer"); it replaces per-chunk posts of
+                    leaves.  The executor places the input before running the ops.
+``DONE_FLAG`` (1)   posted last by every rank that reads peers, after all its
+                    reads (``after`` lists the last op of each other lane): the
+                    "done" the next epoch waits for before overwriting a buffer
+                    that rank reads.
+Other flags (2, 3, ...) each mark one event (a chunk of a tree reduced, or
+final) and are posted exactly once per epoch.
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Literal
 
-__all__ = ["OpKind", "Op", "Program", "PROGRAM_KINDS"]
+__all__ = ["OpKind", "Op", "Program", "PROGRAM_KINDS", "START_FLAG", "DONE_FLAG"]
 
 OpKind = Literal["post", "copy", "reduce"]
 
@@ -43,6 +56,10 @@ OpKind = Literal["post", "copy", "reduce"]
 # reduce:    up only; tree roots end with their share reduced (hierarchical stage 1).
 # broadcast: down only, from each tree's root (broadcast plans, and hierarchical stage 3).
 PROGRAM_KINDS = ("allreduce", "reduce", "broadcast")
+
+# Flags with fixed meanings (module docstring).
+START_FLAG = 0
+DONE_FLAG = 1
 
 
 @dataclass(frozen=True, slots=True)

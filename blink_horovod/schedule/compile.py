@@ -1,0 +1,383 @@
+"""Compile a plan into per-rank programs: chunked, pipelined tree collectives.
+
+Blink (Wang et al., MLSys 2020), section 4: the generated code splits each
+tree's share of the buffer into chunks and pipelines them, so that while chunk
+``c`` is reduced one level up a tree, chunk ``c + 1`` is reduced one level
+below; for AllReduce the broadcast back down the same tree follows in the same
+pipeline.  Section 4, "Link sharing": when several trees use one link, their
+transfers over that link reuse one CUDA stream, so chunks cross the link in a
+fixed order instead of at the hardware's unfair whim.
+
+The output is the pull-model IR of :mod:`blink_horovod.schedule.program`:
+
+- ``reduce`` (up): for tree ``t``, chunk ``c``, a node ``v`` of height ``h``
+  (leaves 0) reduces the chunk from each child at step ``c + h``, children in
+  ascending height; a child that is a leaf is read as soon as its
+  ``START_FLAG`` is up, an inner child after its own "chunk reduced" post.
+- ``broadcast`` (down): a node at depth ``d`` copies the chunk from its parent
+  at step ``base + c + d`` after the parent's post ("final"); for AllReduce
+  ``base`` is the tree root's height, so the down phase of chunk ``c`` follows
+  its up phase.  Broadcast roots need no per-chunk post: their input is ready
+  at ``START_FLAG``.
+
+Every op waits only for posts of strictly smaller steps; each rank's ops are
+sorted by step.  Lanes (``stream``) are one per incoming link, ``(channel,
+peer)``: every tree whose chunks cross the link ``peer -> rank`` shares that
+lane (the paper's stream reuse).  ``after`` serializes writes to one region
+that sit on different lanes and orders a post after the write it covers when
+that write is on another lane.
+
+Byte ranges (../shared/spec/FORMATS.md, 2): trees carry their fractions in list
+order.  For AllReduce plans the i-th GPU's trees cover exactly
+``[i*count//n, (i+1)*count//n)`` (boundaries snapped there, a root's trees
+splitting its range in proportion to their fractions), so that servers with
+different plans agree on the ranges of the cross-server stage.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from ..errors import ScheduleError
+from ..planner.plan import CHANNELS, Plan, Tree
+from .program import DONE_FLAG, PROGRAM_KINDS, START_FLAG, Op, Program
+
+__all__ = ["compile_program", "tree_ranges", "FRACTION_EPS"]
+
+# Trees whose fraction is at most this carry no bytes (the plan's own tolerance).
+FRACTION_EPS = 1e-9
+_FIRST_EVENT_FLAG = 2  # flags 0 and 1 are START_FLAG and DONE_FLAG
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def tree_ranges(plan: Plan, count: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Element ranges ``[lo, hi)`` of every tree and of every rank's segment.
+
+    Parameters
+    ----------
+    plan : Plan
+        Its trees carry their fractions in list order.
+    count : int
+        Elements in the buffer.
+
+    Returns
+    -------
+    (trees, segments)
+        ``trees[t]`` is tree t's range (empty for trees without bytes);
+        ``segments[r]`` the range rank r roots: for AllReduce plans exactly
+        ``[r*count//n, (r+1)*count//n)``, for broadcast plans the whole buffer
+        on the root and ``(0, 0)`` elsewhere.
+
+    Raises
+    ------
+    ScheduleError
+        when an AllReduce plan's trees do not follow the roots' order or leave a
+        rank's segment without a tree.
+    """
+    n = plan.n
+    rank_of = {g: i for i, g in enumerate(plan.gpus)}
+    ntrees = len(plan.trees)
+    out: list[tuple[int, int]] = [(0, 0)] * ntrees
+    if plan.collective != "allreduce":
+        fracs = [t.fraction if t.fraction > FRACTION_EPS else 0.0 for t in plan.trees]
+        total = math.fsum(fracs)
+        if total <= 0:
+            raise ScheduleError("plan.trees: no tree carries bytes (fractions sum to 0)")
+        carrying = [i for i, f in enumerate(fracs) if f > 0]
+        pos = 0
+        for i, f in enumerate(fracs):
+            if f == 0:
+                out[i] = (pos, pos)
+                continue
+            hi = count if i == carrying[-1] else min(count, max(pos, int(round(count * math.fsum(fracs[: i + 1]) / total))))
+            out[i] = (pos, hi)
+            pos = hi
+        root = rank_of.get(plan.root, 0) if plan.root is not None else 0
+        segments = [(0, 0)] * n
+        segments[root] = (0, count)
+        return out, segments
+
+    segments = [(i * count // n, (i + 1) * count // n) for i in range(n)]
+    groups: list[list[int]] = [[] for _ in range(n)]
+    last_root = -1
+    for t, tree in enumerate(plan.trees):
+        if tree.fraction <= FRACTION_EPS:
+            continue
+        r = rank_of[tree.root]
+        if r < last_root:
+            raise ScheduleError(
+                f"plan.trees[{t}]: rooted at GPU {tree.root} (rank {r}) after a tree of rank {last_root}; "
+                f"allreduce trees must follow the roots' order of gpus {list(plan.gpus)}"
+            )
+        last_root = r
+        groups[r].append(t)
+    for r, (lo, hi) in enumerate(segments):
+        members = groups[r]
+        if not members:
+            if hi > lo:
+                raise ScheduleError(
+                    f"plan: GPU {plan.gpus[r]} (rank {r}) roots no tree, but its segment [{lo}, {hi}) needs one"
+                )
+            continue
+        fr = [plan.trees[t].fraction for t in members]
+        total = math.fsum(fr)
+        pos = lo
+        for k, t in enumerate(members):
+            end = hi if k == len(members) - 1 else max(pos, min(hi, lo + int(round((hi - lo) * math.fsum(fr[: k + 1]) / total))))
+            out[t] = (pos, end)
+            pos = end
+    # Trees without bytes get an empty range at the position of the tree before them.
+    pos = 0
+    for t, tree in enumerate(plan.trees):
+        if tree.fraction <= FRACTION_EPS:
+            out[t] = (pos, pos)
+        else:
+            pos = out[t][1]
+    return out, segments
+
+
+class _Shape:
+    """A tree in rank indices: parent, children (ascending height), height, depth, orders."""
+
+    __slots__ = ("root", "parent", "children", "height", "depth", "postorder", "preorder")
+
+    def __init__(self, tree: Tree, rank_of: dict[int, int], where: str) -> None:
+        try:
+            self.root = rank_of[tree.root]
+            edges = [(rank_of[p], rank_of[c]) for p, c in tree.edges]
+        except KeyError as exc:
+            raise ScheduleError(f"{where}: GPU {exc.args[0]} is not in the plan's gpus") from None
+        kids: dict[int, list[int]] = {}
+        self.parent: dict[int, int] = {}
+        for p, c in edges:
+            if c in self.parent or c == self.root:
+                raise ScheduleError(f"{where}: GPU of rank {c} has two parents (not an arborescence)")
+            self.parent[c] = p
+            kids.setdefault(p, []).append(c)
+        # Preorder from the root (iterative; also proves every edge hangs off the root).
+        self.depth = {self.root: 0}
+        order = [self.root]
+        i = 0
+        while i < len(order):
+            v = order[i]
+            i += 1
+            for c in kids.get(v, ()):
+                self.depth[c] = self.depth[v] + 1
+                order.append(c)
+        if len(order) != len(edges) + 1:
+            raise ScheduleError(f"{where}: edges {list(map(list, tree.edges))} do not form a tree from GPU {tree.root}")
+        self.preorder = order
+        self.postorder = order[::-1]
+        self.height = {}
+        for v in self.postorder:
+            self.height[v] = 1 + max((self.height[c] for c in kids.get(v, ())), default=-1)
+        edge_pos = {c: k for k, (_, c) in enumerate(edges)}
+        self.children = {v: sorted(cs, key=lambda c: (self.height[c], edge_pos[c])) for v, cs in kids.items()}
+
+
+class _Rank:
+    """Op records of one rank before sorting: [step, seq, kind, peer, flag, offset, count,
+    tree, chunk, lane_key, channel, after_seqs]."""
+
+    __slots__ = ("recs", "next_flag", "needs_start")
+
+    def __init__(self) -> None:
+        self.recs: list[list] = []
+        self.next_flag = _FIRST_EVENT_FLAG
+        self.needs_start = False
+
+
+def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None = None) -> Program:
+    """Per-rank programs for ``plan`` over a buffer of ``count`` elements.
+
+    Parameters
+    ----------
+    plan : Plan
+        Trees and fractions (``blink-plan/1``); rank r is ``plan.gpus[r]``.
+    count : int
+        Elements per rank buffer (0 or more).
+    chunk_elems : int
+        Elements per chunk (1 or more); a tree's last chunk may be shorter.
+    kind : str, optional
+        ``"allreduce"`` (reduce up, broadcast down), ``"reduce"`` (up only: each
+        tree root ends with its range reduced, hierarchical stage 1) or
+        ``"broadcast"`` (down only from each tree's root: the whole buffer for
+        broadcast plans, each root's segment for AllReduce plans, hierarchical
+        stage 3).  Default: ``plan.collective``.
+
+    Returns
+    -------
+    Program
+        ``meta`` holds ``tree_ranges``, ``steps`` (one more than the largest
+        step), ``start_flag``/``done_flag`` and ``plan_collective``.
+
+    Raises
+    ------
+    ScheduleError
+        naming the argument or the plan field that makes compiling impossible.
+
+    Examples
+    --------
+    >>> from blink_horovod.planner.plan import Plan, Tree
+    >>> chain = Tree(0, 1.0, ((0, 1), (1, 2)))
+    >>> plan = Plan("broadcast", "custom", (0, 1, 2), 0, (chain,), 1.0, 1.0)
+    >>> prog = compile_program(plan, count=10, chunk_elems=4)
+    >>> [(op.kind, op.peer, op.offset, op.count, op.step) for op in prog.ranks[2] if op.kind == "copy"]
+    [('copy', 1, 0, 4, 2), ('copy', 1, 4, 4, 3), ('copy', 1, 8, 2, 4)]
+    """
+    kind = plan.collective if kind is None else kind
+    if kind not in PROGRAM_KINDS:
+        raise ScheduleError(f"kind: expected one of {', '.join(PROGRAM_KINDS)}, got {kind!r}")
+    if not _is_int(count) or count < 0:
+        raise ScheduleError(f"count: expected a non-negative integer number of elements, got {count!r}")
+    if not _is_int(chunk_elems) or chunk_elems < 1:
+        raise ScheduleError(f"chunk_elems: expected a positive integer, got {chunk_elems!r}")
+    if not isinstance(plan, Plan) or not plan.gpus:
+        raise ScheduleError(f"plan: expected a Plan with GPUs, got {plan!r}")
+    n = plan.n
+    rank_of = {g: i for i, g in enumerate(plan.gpus)}
+    if len(rank_of) != n:
+        raise ScheduleError(f"plan.gpus: duplicate GPU ids in {list(plan.gpus)}")
+    for t, tree in enumerate(plan.trees):
+        if tree.channel not in CHANNELS:
+            raise ScheduleError(f"plan.trees[{t}].channel: expected one of {', '.join(CHANNELS)}, got {tree.channel!r}")
+    ranges, segments = tree_ranges(plan, count)
+    ranks = [_Rank() for _ in range(n)]
+    seq = 0  # global generation counter: sort key within a step, and the id `after` refers to
+
+    for t, tree in enumerate(plan.trees):
+        lo, hi = ranges[t]
+        if hi <= lo or not tree.edges:
+            continue
+        shape = _Shape(tree, rank_of, f"plan.trees[{t}]")
+        ch = tree.channel
+        height, depth, parent, children = shape.height, shape.depth, shape.parent, shape.children
+        root = shape.root
+        inner_up = [v for v in shape.postorder if v in children]  # nodes that reduce
+        down = shape.preorder[1:]
+        top = height[root]
+        for c, a in enumerate(range(lo, hi, chunk_elems)):
+            m = min(chunk_elems, hi - a)
+            up_flag: dict[int, int] = {}  # rank -> flag "chunk reduced" (inner nodes)
+            last_write: dict[int, int] = {}  # rank -> seq of its last write of this chunk
+            last_lane: dict[int, tuple] = {}
+            if kind != "broadcast":
+                for v in inner_up:
+                    rv = ranks[v]
+                    step = c + height[v]
+                    prev = None
+                    for u in children[v]:
+                        if u in children:
+                            flag = up_flag[u]
+                        else:
+                            flag = START_FLAG
+                            ranks[u].needs_start = True
+                        lane = (ch, u)
+                        rv.recs.append([step, seq, "reduce", u, flag, a, m, t, c, lane, ch, () if prev is None else (prev,)])
+                        prev = seq
+                        last_lane[v] = lane
+                        seq += 1
+                    last_write[v] = prev
+                    if v != root or kind == "allreduce":
+                        flag = rv.next_flag
+                        rv.next_flag += 1
+                        up_flag[v] = flag
+                        rv.recs.append([step, seq, "post", -1, flag, a, m, t, c, last_lane[v], ch, (prev,)])
+                        seq += 1
+            if kind == "reduce":
+                continue
+            if kind == "allreduce":
+                down_flag = {root: up_flag[root]}
+                base = c + top
+            else:
+                down_flag = {root: START_FLAG}
+                ranks[root].needs_start = True
+                base = c
+            for v in down:
+                rv = ranks[v]
+                p = parent[v]
+                step = base + depth[v]
+                lane = (ch, p)
+                prev = last_write.get(v)
+                rv.recs.append([step, seq, "copy", p, down_flag[p], a, m, t, c, lane, ch, () if prev is None else (prev,)])
+                copy_seq = seq
+                seq += 1
+                if v in children:
+                    flag = rv.next_flag
+                    rv.next_flag += 1
+                    down_flag[v] = flag
+                    rv.recs.append([step, seq, "post", -1, flag, a, m, t, c, lane, ch, (copy_seq,)])
+                    seq += 1
+
+    out_ranks: list[tuple[Op, ...]] = []
+    nflags: list[int] = []
+    nstreams: list[int] = []
+    max_step = 0
+    for r, rk in enumerate(ranks):
+        recs = rk.recs
+        if not recs and not rk.needs_start:
+            out_ranks.append(())
+            nflags.append(0)
+            nstreams.append(0)
+            continue
+        # Lanes: one per incoming link (channel, peer); nvlink before pcie, by peer.
+        keys = sorted({rec[9] for rec in recs}, key=lambda k: (CHANNELS.index(k[0]), k[1]))
+        lane_of = {k: i for i, k in enumerate(keys)}
+        if rk.needs_start:
+            recs.append([0, -1, "post", -1, START_FLAG, 0, 0, -1, -1, None, "nvlink", ()])
+        recs.sort(key=lambda rec: (rec[0], rec[1]))
+        index_of = {rec[1]: i for i, rec in enumerate(recs)}
+        lanes = [0 if rec[9] is None else lane_of[rec[9]] for rec in recs]
+        ops: list[Op] = []
+        last_in_lane: dict[int, int] = {}
+        for i, rec in enumerate(recs):
+            step, _, okind, peer, flag, a, m, t, c, _, ch, after_seqs = rec
+            lane = lanes[i]
+            # Keep only dependencies on other lanes: a lane runs its ops in order.
+            after = tuple(j for j in (index_of[x] for x in after_seqs) if lanes[j] != lane)
+            # Chunk posts keep the chunk's region (informational, for traces).
+            ops.append(Op(okind, peer, flag, a, m, t, c, step, lane, ch, after))
+            last_in_lane[lane] = i
+            if step > max_step:
+                max_step = step
+        has_reads = any(op.kind != "post" for op in ops)
+        if has_reads:
+            last_step = ops[-1].step
+            done_after = tuple(sorted(i for ln, i in last_in_lane.items() if ln != 0))
+            ops.append(Op("post", -1, DONE_FLAG, 0, 0, -1, -1, last_step, 0, "nvlink", done_after))
+        out_ranks.append(tuple(ops))
+        nflags.append(rk.next_flag)
+        nstreams.append(max(1, len(keys)))
+
+    root = rank_of.get(plan.root) if plan.root is not None else None
+    meta = {
+        "tree_ranges": tuple(ranges),
+        "steps": max_step + 1,
+        "start_flag": START_FLAG,
+        "done_flag": DONE_FLAG,
+        "plan_collective": plan.collective,
+        "gpus": tuple(plan.gpus),
+        "channels": tuple(t.channel for t in plan.trees),
+    }
+    return Program(
+        kind=kind,
+        nranks=n,
+        count=count,
+        chunk_elems=chunk_elems,
+        ranks=tuple(out_ranks),
+        nflags=tuple(nflags),
+        nstreams=tuple(nstreams),
+        segments=tuple(segments),
+        root=root,
+        meta=meta,
+    )
+
+
+def chunk_count(plan: Plan, count: int, chunk_elems: int) -> Sequence[int]:
+    """Chunks per tree for ``count`` elements (empty trees: 0)."""
+    ranges, _ = tree_ranges(plan, count)
+    return [0 if hi <= lo else -(-(hi - lo) // chunk_elems) for lo, hi in ranges]
