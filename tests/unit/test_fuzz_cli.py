@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from blink_horovod.cli import main
@@ -59,6 +59,7 @@ def run_in_process(argv: list[str]) -> tuple[int, str, str]:
 def assert_clean_outcome(argv: list[str], rc: int, stdout: str, stderr: str) -> None:
     """Good input: exit 0 and JSON (on stdout or in --output); bad input: exit 2, one stderr line."""
     assert "Traceback" not in stderr and "Traceback" not in stdout, (argv, stderr)
+    event(f"exit {rc}")  # --hypothesis-show-statistics: how many inputs were good
     if rc == 0:
         if "--output" not in argv:
             json.loads(stdout)
@@ -121,43 +122,57 @@ def _output_path(choice: str) -> str:
     return tempfile.mktemp(dir=_tmp, suffix=".json") if choice == "fresh" else choice
 
 
+def _perturb(draw: st.DrawFn, flags: dict[str, str | None], bad: dict[str, st.SearchStrategy]) -> list[str]:
+    """A valid flag set with 0-2 flags replaced by fuzzed values or dropped, maybe a junk word."""
+    for _ in range(draw(st.integers(0, 2))):
+        flag = draw(st.sampled_from(sorted(bad)))
+        flags[flag] = None if draw(st.integers(0, 4)) == 0 else draw(bad[flag])
+    argv = [word for flag, value in flags.items() if value is not None for word in (flag, value)]
+    if draw(st.integers(0, 4)) == 0:
+        argv.insert(draw(st.integers(0, len(argv))), draw(junk))
+    return argv
+
+
+GOOD_TOPOLOGIES = ["cpu3", "pcie4", "dgx1v:0,1,4,5", "dgx1p"]
+
+
 @st.composite
 def plan_argv(draw: st.DrawFn) -> list[str]:
-    argv = ["plan"]
-    if draw(st.integers(0, 9)) > 0:
-        argv += ["--topology", draw(topology_specs)]
-    if draw(st.booleans()):
-        argv += ["--gpus", draw(gpu_lists)]
-    if draw(st.integers(0, 9)) > 0:
-        argv += ["--collective", draw(collectives)]
-    if draw(st.booleans()):
-        argv += ["--root", draw(roots)]
-    if draw(st.booleans()):
-        argv += ["--channels", draw(channel_lists)]
-    if draw(st.integers(0, 3)) == 0:
-        argv += ["--output", _output_path(draw(outputs))]
-    if draw(st.integers(0, 4)) == 0:
-        argv.insert(draw(st.integers(1, len(argv))), draw(junk))
-    return argv
+    collective = draw(st.sampled_from(["allreduce", "broadcast"]))
+    flags: dict[str, str | None] = {
+        "--topology": draw(st.sampled_from(GOOD_TOPOLOGIES)),
+        "--collective": collective,
+        "--root": draw(st.sampled_from([None, "0"])) if collective == "broadcast" else None,
+        "--channels": draw(st.sampled_from([None, "nvlink", "nvlink,pcie"])),
+        "--gpus": None,
+        "--output": draw(st.sampled_from([None, None, _output_path("fresh")])),
+    }
+    bad = {
+        "--topology": topology_specs, "--collective": collectives, "--root": roots,
+        "--channels": channel_lists, "--gpus": gpu_lists, "--output": outputs.map(_output_path),
+    }
+    return ["plan", *_perturb(draw, flags, bad)]
 
 
 @st.composite
 def topology_argv(draw: st.DrawFn) -> list[str]:
-    argv = ["topology"]
     if draw(st.integers(0, 3)) == 0:
-        argv += ["--from-nvidia-smi", draw(st.one_of(topology_file(), st.sampled_from(["/nonexistent", "/", ""])))]
-        if draw(st.booleans()):
-            argv += ["--link-gbps", draw(st.one_of(st.sampled_from(["25", "0", "-3", "nan", "inf", "x", ""]), st.text(max_size=5)))]
-    else:
-        spec = draw(topology_specs)
-        argv += [spec] if not spec.startswith("-") else ["--", spec]
-    if draw(st.booleans()):
-        argv += ["--gpus", draw(gpu_lists)]
-    if draw(st.integers(0, 3)) == 0:
-        argv += ["--output", _output_path(draw(outputs))]
-    if draw(st.integers(0, 4)) == 0:
-        argv.insert(draw(st.integers(1, len(argv))), draw(junk))
-    return argv
+        flags: dict[str, str | None] = {
+            "--from-nvidia-smi": draw(st.one_of(topology_file(), st.sampled_from(["/nonexistent", "/", ""]))),
+            "--link-gbps": draw(st.sampled_from([None, "25"])),
+            "--gpus": None,
+            "--output": None,
+        }
+        bad = {
+            "--link-gbps": st.one_of(st.sampled_from(["25", "0", "-3", "nan", "inf", "x", ""]), st.text(max_size=5)),
+            "--gpus": gpu_lists, "--output": outputs.map(_output_path),
+        }
+        return ["topology", *_perturb(draw, flags, bad)]
+    spec = draw(st.one_of(st.sampled_from(GOOD_TOPOLOGIES), topology_specs))
+    flags = {"--gpus": None, "--output": draw(st.sampled_from([None, None, _output_path("fresh")]))}
+    bad = {"--gpus": gpu_lists, "--output": outputs.map(_output_path)}
+    positional = [spec] if not spec.startswith("-") else ["--", spec]
+    return ["topology", *_perturb(draw, flags, bad), *positional]
 
 
 # -- properties ---------------------------------------------------------------------------
