@@ -1,0 +1,181 @@
+"""Run a compiled :class:`~blink_horovod.schedule.program.Program` on a topology, in simulation.
+
+The program's semantics (schedule/program.py) become a task graph for the
+fluid engine (engine.py):
+
+- ops of one lane (``stream``) of a rank run in list order, as on a CUDA stream;
+- an op also waits for the ops its ``after`` lists;
+- a ``copy``/``reduce`` waits until the peer has posted ``flag`` (the first
+  post of that flag sets it, as ``flags_peer[flag] >= epoch`` does), pays a
+  fixed cost (params.py: ``copy_s``, plus ``reduce_extra_s`` for a reduction),
+  then pulls ``count * itemsize`` bytes from the peer's GPU over its channel:
+  NVLink (a direct bundle, or the two ports of a shared switch) or PCIe
+  (resources.py); a reduction also loads the GPU's reduction rate;
+- a ``post`` costs ``post_s`` and sets the rank's flag;
+- the collective starts after one graph launch (``launch_s``); a program with
+  PCIe ops first pays the channel switch (``pcie_switch_s`` per GPU pair that
+  moves bytes over PCIe), before its first PCIe op, as Blink's hybrid
+  transfers do (Blink, section 3.4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..errors import ScheduleError
+from ..schedule.program import Program
+from ..topology.model import Topology
+from .engine import TaskGraph, run
+from .params import DEFAULT_PARAMS, SimParams
+from .resources import ResourceMap
+
+__all__ = ["SimResult", "simulate_program", "program_task_graph"]
+
+
+@dataclass
+class SimResult:
+    """One simulated collective."""
+
+    time_s: float  # from launch to the last op's completion
+    rank_finish_s: tuple[float, ...]  # per rank: its last op's completion
+    ops: int  # operations simulated
+    events: int  # engine events (a cost measure)
+    bytes_per_resource: dict[str, float] = field(default_factory=dict)
+    capacity_per_resource: dict[str, float] = field(default_factory=dict)  # bytes/s
+
+    def utilization(self) -> dict[str, float]:
+        """Fraction of each resource's capacity used over the whole collective."""
+        if self.time_s <= 0:
+            return {k: 0.0 for k in self.bytes_per_resource}
+        return {k: b / (self.capacity_per_resource[k] * self.time_s) for k, b in self.bytes_per_resource.items()}
+
+
+def program_task_graph(
+    program: Program,
+    resources: ResourceMap,
+    gpus: Sequence[int],
+    params: SimParams = DEFAULT_PARAMS,
+) -> tuple[TaskGraph, list[tuple[int, int]]]:
+    """The task graph of ``program``; also the ``(rank, index)`` of every task (-1 for extras)."""
+    if len(gpus) != program.nranks:
+        raise ScheduleError(f"gpus: program has {program.nranks} ranks, got {len(gpus)} GPU ids {list(gpus)}")
+    g = TaskGraph()
+    itemsize = params.itemsize
+    where: list[tuple[int, int]] = []
+    base: list[int] = []
+    total = 0
+    for ops in program.ranks:
+        base.append(total)
+        total += len(ops)
+    signals: dict[tuple[int, int], int] = {}
+
+    def sig(rank: int, flag: int) -> int:
+        s = signals.get((rank, flag))
+        if s is None:
+            s = signals[(rank, flag)] = g.signal()
+        return s
+
+    # The PCIe channel switch, paid once before the first PCIe byte (Blink 3.4).
+    pcie_pairs = {
+        frozenset((r, op.peer)) for r, _, op in program.ops() if op.kind != "post" and op.channel == "pcie"
+    }
+    # Task ids are assigned in (rank, index) order, so the gate goes last.
+    gate_id = total if pcie_pairs else -1
+    reduce_lat = params.copy_s + params.reduce_extra_s
+    for r, ops in enumerate(program.ranks):
+        last_in_lane: dict[int, int] = {}
+        dst = gpus[r]
+        b = base[r]
+        for i, op in enumerate(ops):
+            deps = []
+            prev = last_in_lane.get(op.stream)
+            if prev is not None:
+                deps.append(prev)
+            for j in op.after:
+                if not 0 <= j < len(ops):
+                    raise ScheduleError(f"rank {r} op {i}: after index {j} is outside the rank's {len(ops)} ops")
+                deps.append(b + j)
+            tid = b + i
+            last_in_lane[op.stream] = tid
+            if op.kind == "post":
+                g.add(params.post_s, deps=deps, raises=sig(r, op.flag), tag=(r, i))
+            elif op.kind in ("copy", "reduce"):
+                if not 0 <= op.peer < program.nranks or op.peer == r:
+                    raise ScheduleError(f"rank {r} op {i}: peer {op.peer} is not another rank of {program.nranks}")
+                route = resources.route(gpus[op.peer], dst, op.channel)
+                if op.kind == "reduce":
+                    route = route + (resources.reducer(dst),)
+                if op.channel == "pcie":
+                    deps.append(gate_id)
+                g.add(
+                    reduce_lat if op.kind == "reduce" else params.copy_s,
+                    nbytes=op.count * itemsize,
+                    resources=route,
+                    deps=deps,
+                    waits=(sig(op.peer, op.flag),),
+                    tag=(r, i),
+                )
+            else:
+                raise ScheduleError(f"rank {r} op {i}: unknown op kind {op.kind!r}")
+            where.append((r, i))
+    if pcie_pairs:
+        g.add(params.pcie_switch_s * len(pcie_pairs), tag=("pcie-switch", len(pcie_pairs)))
+        where.append((-1, -1))
+    return g, where
+
+
+def simulate_program(
+    program: Program,
+    topology: Topology,
+    params: SimParams = DEFAULT_PARAMS,
+    gpus: Sequence[int] | None = None,
+    resources: ResourceMap | None = None,
+) -> SimResult:
+    """Simulate ``program`` on ``topology`` (its rank r is GPU ``gpus[r]``).
+
+    Parameters
+    ----------
+    program : Program
+        From :func:`blink_horovod.schedule.compile_program` or built by hand.
+    topology : Topology
+        The machine (or allocation); links move bytes at their ``bandwidth_gbps``.
+    params : SimParams
+        Fixed costs (params.py).
+    gpus : sequence of int, optional
+        GPU id of each rank; default ``program.meta["gpus"]``, else the
+        topology's first ``nranks`` GPUs.
+
+    Returns
+    -------
+    SimResult
+        ``time_s`` counts from the launch (``launch_s`` included).
+
+    Raises
+    ------
+    ScheduleError
+        when an op needs a link the topology lacks, or the program deadlocks.
+    """
+    if gpus is None:
+        gpus = program.meta.get("gpus") or topology.gpus[: program.nranks]
+    gpus = tuple(gpus)
+    unknown = [x for x in gpus if x not in topology.gpus]
+    if unknown:
+        raise ScheduleError(f"gpus: GPU {unknown[0]} of the program is not on topology {topology.name!r}")
+    rmap = resources if resources is not None else ResourceMap(topology, params)
+    graph, where = program_task_graph(program, rmap, gpus, params)
+    out = run(graph, rmap.capacity, t0=params.launch_s)
+    rank_finish = [params.launch_s] * program.nranks
+    for tid, (r, _) in enumerate(where):
+        if r >= 0 and out.finish[tid] > rank_finish[r]:
+            rank_finish[r] = out.finish[tid]
+    used = {rmap.names[k]: b for k, b in enumerate(out.resource_bytes) if b > 0}
+    caps = {rmap.names[k]: rmap.capacity[k] for k, b in enumerate(out.resource_bytes) if b > 0}
+    return SimResult(
+        time_s=out.makespan,
+        rank_finish_s=tuple(rank_finish),
+        ops=program.num_ops(),
+        events=out.events,
+        bytes_per_resource=used,
+        capacity_per_resource=caps,
+    )
