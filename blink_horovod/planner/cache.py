@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -133,6 +134,21 @@ def _read(path: Path, fields: dict[str, Any], topology: Topology, collective: st
     return plan
 
 
+# A write takes milliseconds; a temporary file older than this is an orphan of a killed writer.
+ORPHAN_SECONDS = 60.0
+
+
+def _sweep_orphans(folder: Path) -> None:
+    """Remove temporary files that writers killed mid-write left behind (issue 6: nothing outlives a job)."""
+    now = time.time()
+    for tmp in folder.glob(".*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > ORPHAN_SECONDS:
+                tmp.unlink()
+        except OSError:
+            pass  # gone already, or not ours to remove
+
+
 def _write(path: Path, fields: dict[str, Any], plan: Plan) -> bool:
     """Store ``plan`` at ``path`` atomically; False (with a warning) if the folder is not writable."""
     entry = {"format": ENTRY_FORMAT, "key": fields, "plan": plan.to_dict()}
@@ -145,6 +161,7 @@ def _write(path: Path, fields: dict[str, Any], plan: Plan) -> bool:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _sweep_orphans(path.parent)
         return True
     except OSError as exc:
         log.warning("plan cache: cannot write %s (%s); plan not cached", path, exc)
