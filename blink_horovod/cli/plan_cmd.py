@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..errors import ConfigError
 from .common import load_topology, write_output
@@ -66,6 +67,12 @@ def run(args: argparse.Namespace) -> int:
             root = topo.gpus[0]
         elif root not in topo.gpus:
             raise ConfigError(f"--root: GPU {root} is not in the allocation {list(topo.gpus)}")
+
+    if args.output not in (None, "-"):
+        # Fail before planning, not after, when the plan could not be written.
+        folder = Path(args.output).parent
+        if not folder.is_dir():
+            raise ConfigError(f"--output: cannot write {args.output!r}: no such folder {str(folder)!r}")
 
     from ..planner.cache import get_plan  # after the input checks: a miss imports the planner
 
