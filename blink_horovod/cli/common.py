@@ -11,13 +11,13 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..errors import ConfigError, TopologyError
 from ..topology.model import Topology
 
-__all__ = ["load_topology", "write_output", "positive_gbps"]
+__all__ = ["load_topology", "positive_gbps", "write_output"]
 
 
 def load_topology(spec: str, gpus: str | Sequence[int] | None = None, flag: str = "--topology") -> Topology:

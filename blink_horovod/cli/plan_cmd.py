@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .common import load_topology, write_output
 
-__all__ = ["register", "run", "parse_channels"]
+__all__ = ["parse_channels", "register", "run"]
 
 COLLECTIVES = ("broadcast", "allreduce")
 CHANNEL_NAMES = ("nvlink", "pcie")
@@ -74,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
         if not folder.is_dir():
             raise ConfigError(f"--output: cannot write {args.output!r}: no such folder {str(folder)!r}")
 
-    from ..planner.cache import get_plan  # after the input checks: a miss imports the planner
+    from ..planner.cache import (
+        get_plan,  # after the input checks: a miss imports the planner
+    )
 
     result = get_plan(topo, args.collective, root, channels)
     plan = result.plan

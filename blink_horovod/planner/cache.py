@@ -32,16 +32,17 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .. import __version__
 from ..errors import BlinkError, BlinkInternalError, PlanError
 from ..topology.model import Topology
 from .plan import CHANNELS, Plan, validate_plan
 
-__all__ = ["cached_plan", "get_plan", "lookup_plan", "store_plan", "CacheResult", "cache_key", "planner_version", "ENTRY_FORMAT"]
+__all__ = ["ENTRY_FORMAT", "CacheResult", "cache_key", "cached_plan", "get_plan", "lookup_plan", "planner_version", "store_plan"]
 
 log = logging.getLogger(__name__)
 

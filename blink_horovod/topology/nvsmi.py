@@ -62,12 +62,12 @@ from ..errors import TopologyError
 from .model import Link, PCIeChannel, Topology
 
 __all__ = [
-    "parse_topo_matrix",
-    "MAX_NVLINKS_PER_GPU",
     "DEFAULT_LINK_GBPS",
     "DEFAULT_PCIE_GBPS",
-    "SWITCH_ID",
+    "MAX_NVLINKS_PER_GPU",
     "PCIE_CELLS",
+    "SWITCH_ID",
+    "parse_topo_matrix",
 ]
 
 MAX_NVLINKS_PER_GPU = 18
@@ -129,7 +129,7 @@ def _rows(lines: list[str], start: int, columns: list[str]) -> list[_Row]:
         stripped = line.strip()
         if not stripped:
             continue
-        if stripped.startswith("Legend") or stripped.startswith("NIC Legend"):
+        if stripped.startswith(("Legend", "NIC Legend")):
             break
         tokens = stripped.split()
         label = tokens[0]

@@ -44,20 +44,21 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ..errors import TopologyError
 from .model import Link, PCIeChannel, Topology
 
 __all__ = [
-    "NvLinkFacts",
-    "GpuFacts",
-    "NvmlFacts",
     "NVLINK_GBPS",
     "NVLINK_GBPS_BY_ARCH",
     "PCIE_X16_GBPS",
+    "GpuFacts",
+    "NvLinkFacts",
+    "NvmlFacts",
     "probe_local",
     "read_nvml_facts",
     "topology_from_facts",
@@ -287,9 +288,13 @@ def _text(value: Any) -> str:
 def _pci_bus_id(pci: Any) -> str:
     """Bus id of an ``nvmlPciInfo_t`` from its numeric fields (busId as fallback)."""
     try:
-        return f"{int(pci.domain):08x}:{int(pci.bus):02x}:{int(pci.device):02x}"
+        domain, bus, device = int(pci.domain), int(pci.bus), int(pci.device)
     except (AttributeError, TypeError, ValueError):
         return normalize_bus_id(getattr(pci, "busId", ""))
+    text = getattr(pci, "busId", b"")
+    if (domain, bus, device) == (0, 0, 0) and text:
+        return normalize_bus_id(text)  # numeric fields left empty: trust the string
+    return f"{domain:08x}:{bus:02x}:{device:02x}"
 
 
 def _asker(nvml: ModuleType) -> Callable[..., Any]:
@@ -321,7 +326,12 @@ def read_nvml_facts(nvml: ModuleType, cuda_visible_devices: str | None = None) -
     """
     ask = _asker(nvml)
     count = ask("nvmlDeviceGetCount", what="") or 0
-    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    handles = []
+    for i in range(count):
+        handle = ask("nvmlDeviceGetHandleByIndex", i, what=f"GPU {i}")
+        if handle is None:
+            raise TopologyError(f"NVML: nvmlDeviceGetHandleByIndex(GPU {i}) found no GPU {i} of {count}")
+        handles.append(handle)
     remote_types = {
         getattr(nvml, "NVML_NVLINK_DEVICE_TYPE_GPU", 0): "gpu",
         getattr(nvml, "NVML_NVLINK_DEVICE_TYPE_IBMNPU", 1): "npu",
@@ -351,7 +361,7 @@ def read_nvml_facts(nvml: ModuleType, cuda_visible_devices: str | None = None) -
         gpus.append(
             GpuFacts(
                 index=i,
-                bus_id=_pci_bus_id(nvml.nvmlDeviceGetPciInfo(h)),
+                bus_id=_pci_bus_id(ask("nvmlDeviceGetPciInfo", h, what=f"GPU {i}")),
                 name=_text(ask("nvmlDeviceGetName", h, what=f"GPU {i}") or ""),
                 uuid=_text(ask("nvmlDeviceGetUUID", h, what=f"GPU {i}") or ""),
                 nvlinks=tuple(links),

@@ -16,7 +16,7 @@ def blink(*argv: str, cwd: Path, stdin: str | None = None, env: dict[str, str] |
     full = dict(os.environ, PYTHONPATH=str(REPO), BLINK_PLAN_CACHE=str(cwd / "plan-cache"))
     full.pop("CUDA_VISIBLE_DEVICES", None)
     full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "blink_horovod", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "blink_horovod", *argv], check=False, capture_output=True, text=True,
                           input=stdin, timeout=timeout, env=full, cwd=cwd)
 
 

@@ -179,7 +179,7 @@ def test_a_cache_hit_does_not_import_the_planner(tmp_path: Path) -> None:
         "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('cvxpy', 'scipy', 'networkx', 'highspy')"
         " or m.startswith('blink_horovod.planner.')))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr
     # A hit imports no planner module and no solver beyond what the package import itself did.

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from blink_horovod.errors import TopologyError
-from blink_horovod.topology import machine
-from blink_horovod.topology import nvsmi
+from blink_horovod.topology import machine, nvsmi
 from blink_horovod.topology.nvsmi import parse_topo_matrix
 
 pytestmark = pytest.mark.timeout(60)
