@@ -430,23 +430,25 @@ class _Checker:
         self.fail(f"read before post: {self.op(r, i)} reads rank {q}'s elements {self.region(x)}, expecting {what}")
 
     def fail_deadlock(self, pending: list[list[int]], unposted: dict[tuple[int, int], tuple[int, int]]) -> None:
-        lines = []
+        causes, blocked = [], []
         for r, row in enumerate(pending):
             stuck = [i for i, c in enumerate(row) if c > 0]
             if not stuck:
                 continue
+            # Every earlier op of the rank ran, so its first stuck op waits for a peer's flag.
             i = stuck[0]
-            op = self.p.ranks[r][i]
             if (r, i) in unposted:
                 q, f = unposted[(r, i)]
-                why = f"waits for rank {q} flag {f}, which rank {q} never posts"
-            elif op.kind != "post" and (r, i) in self.waits_on:
+                causes.append(f"{self.op(r, i)} waits for rank {q} flag {f}, which rank {q} never posts")
+            elif (r, i) in self.waits_on:
                 q, j = self.waits_on[(r, i)]
-                why = f"waits for rank {q} flag {op.flag}, posted by {self.op(q, j)}, which never runs"
+                blocked.append(f"{self.op(r, i)} waits for rank {q} flag {self.p.ranks[r][i].flag}, posted by {self.op(q, j)}, which never runs")
             else:
-                why = "waits for an earlier op of its own lane or `after` that never runs"
-            lines.append(f"{self.op(r, i)} {why}")
-        self.fail("deadlock: no op can run; " + "; ".join(lines[:8]) + ("; ..." if len(lines) > 8 else ""))
+                blocked.append(f"{self.op(r, i)} waits for an op of its own lane or `after` that never runs")
+        # Where no flag is missing, the waits form a cycle.
+        head = "" if causes else "the waits form a cycle; "
+        lines = causes + blocked
+        self.fail("deadlock: no op can run; " + head + "; ".join(lines[:8]) + ("; ..." if len(lines) > 8 else ""))
 
     # -- 3. steps -------------------------------------------------------------
     def check_steps(self) -> None:
