@@ -97,12 +97,27 @@ WORKER_PRELUDE = textwrap.dedent(
     RANK = int(os.environ["RELIABILITY_RANK"])
     SIZE = int(os.environ["RELIABILITY_SIZE"])
     RDV_DIR = os.environ["RELIABILITY_RDV_DIR"]
+    PARAMS = json.loads(os.environ.get("RELIABILITY_PARAMS", "{}"))
+    # What the body wants reported with its error (e.g. when its last collective finished).
+    STATE = {}
 
     def emit(kind, **fields):
         """One event line back to the test (flushed at once: the rank may be killed next)."""
         fields = {"kind": kind, "rank": RANK, "t": time.time(), **fields}
         sys.stdout.write("@@reliability " + json.dumps(fields, default=str) + "\\n")
         sys.stdout.flush()
+
+    import logging
+
+    class _WarningEvents(logging.Handler):
+        """Blink's warnings (the stall inspector's "Missing ranks") as timed events, and on stderr."""
+
+        def emit(self, record):
+            message = record.getMessage()
+            sys.stderr.write("%s %s: %s\\n" % (record.levelname, record.name, message))
+            globals()["emit"]("warning", message=message, logger=record.name)
+
+    logging.getLogger("blink_horovod").addHandler(_WarningEvents(logging.WARNING))
 
     def rss_bytes():
         with open("/proc/self/statm") as fh:
@@ -129,10 +144,10 @@ WORKER_PRELUDE = textwrap.dedent(
             body()
         except BlinkError as exc:
             emit("error", type=type(exc).__name__, message=str(exc),
-                 mro=[c.__name__ for c in type(exc).__mro__])
+                 mro=[c.__name__ for c in type(exc).__mro__], **STATE)
             sys.exit(1)
         except BaseException as exc:
-            emit("crash", type=type(exc).__name__, message=str(exc))
+            emit("crash", type=type(exc).__name__, message=str(exc), **STATE)
             traceback.print_exc()
             sys.exit(3)
         emit("done")
@@ -216,6 +231,15 @@ class RankGroup:
                 self._fail(f"rank {rank} did not emit {kind!r} in time")
             time.sleep(0.02)
 
+    def wait_exit(self, rank: int, timeout: float | None = None) -> float:
+        """Block until rank ``rank`` exits; the wall-clock instant it was seen gone (5 ms polls)."""
+        deadline = self.started + self.limit if timeout is None else min(self.started + self.limit, time.monotonic() + timeout)
+        while self.procs[rank].poll() is None:
+            if time.monotonic() >= deadline:
+                self._fail(f"rank {rank} did not exit in time")
+            time.sleep(0.005)
+        return time.time()
+
     def wait(self, timeout: float | None = None) -> list[RankResult]:
         """Every rank's result once all have exited; past the limit, kill all and fail (a hang)."""
         deadline = self.started + self.limit if timeout is None else min(self.started + self.limit, time.monotonic() + timeout)
@@ -271,6 +295,7 @@ class RankLauncher:
         timeout_seconds: float = 5.0,
         stall_seconds: float = 1.0,
         python: str | None = None,
+        params: Mapping[str, Any] | None = None,
     ) -> RankGroup:
         """Start ``n`` ranks running ``WORKER_PRELUDE + body``.
 
@@ -278,6 +303,7 @@ class RankLauncher:
         small values so faults surface in seconds; ``env`` adds or overrides
         variables for every rank, ``rank_env[r]`` for rank ``r`` only (e.g. a
         ``BLINK_FAULT`` on one rank).  ``limit`` is the hard wall-clock bound.
+        ``params`` reaches the worker as the dict ``PARAMS``.
         """
         index = len(self.groups)
         folder = self.folder / f"group{index}"
@@ -291,6 +317,7 @@ class RankLauncher:
             PYTHONUNBUFFERED="1",
             RELIABILITY_SIZE=str(n),
             RELIABILITY_RDV_DIR=str(folder / "rdv"),
+            RELIABILITY_PARAMS=json.dumps(params or {}),
             BLINK_TIMEOUT_SECONDS=f"{timeout_seconds:g}",
             BLINK_STALL_CHECK_SECONDS=f"{stall_seconds:g}",
             BLINK_PLAN_CACHE=str(self.folder / "plan-cache"),
