@@ -144,34 +144,33 @@ def run(graph: TaskGraph, capacity: Sequence[float], t0: float = 0.0) -> EngineR
         for s in ws:
             waiters[s].append(i)
         npred[i] += len(ws)
-    raised = [False] * graph.nsignals
+    raised = bytearray(graph.nsignals)
 
-    finish = [math.nan] * n
+    finish = [0.0] * n
+    finished = bytearray(n)
     active: list[set[int]] = [set() for _ in cap]
     rem = [0.0] * n
     rate = [0.0] * n
     tlast = [0.0] * n
     ver = [0] * n
-    heap: list[tuple[float, int, int, int]] = []  # (time, seq, kind, task); kind 0 latency, 1 flow
-    seq = 0
+    heap: list[tuple[float, int, int]] = []  # (time, version or -1 for a latency expiry, task)
     events = 0
     done = 0
     push = heapq.heappush
     pop = heapq.heappop
 
-    # Work of one instant: tasks ready (phase 0), latency expired (phase 1),
-    # finished (phase 2).  Dirty resources get their flows' rates recomputed
-    # once after the instant's work.
-    now: list[tuple[int, int]] = [(i, 0) for i in range(n) if npred[i] == 0]
+    # Work of one instant, as task*3 + phase: 0 ready, 1 latency over, 2 finished.
+    # Dirty resources get their flows' rates recomputed once after the instant.
+    now: list[int] = [3 * i for i in range(n) if npred[i] == 0]
     dirty: set[int] = set()
     t = t0
     while True:
         while now:
-            i, phase = now.pop()
+            code = now.pop()
+            i, phase = divmod(code, 3)
             if phase == 0:
                 if lat[i] > 0.0:
-                    push(heap, (t + lat[i], seq, 0, i))
-                    seq += 1
+                    push(heap, (t + lat[i], -1, i))
                     continue
                 phase = 1
             if phase == 1:
@@ -183,28 +182,35 @@ def run(graph: TaskGraph, capacity: Sequence[float], t0: float = 0.0) -> EngineR
                         active[r].add(i)
                         dirty.add(r)
                     continue
-                phase = 2
-            # phase 2: complete
+            # finished
             finish[i] = t
+            finished[i] = 1
             done += 1
             for s in succ[i]:
                 npred[s] -= 1
                 if npred[s] == 0:
-                    now.append((s, 0))
+                    now.append(3 * s)
             sig = raises[i]
             if sig >= 0 and not raised[sig]:
-                raised[sig] = True
+                raised[sig] = 1
                 for s in waiters[sig]:
                     npred[s] -= 1
                     if npred[s] == 0:
-                        now.append((s, 0))
+                        now.append(3 * s)
         if dirty:
-            flows: set[int] = set()
-            for r in dirty:
-                flows.update(active[r])
-            dirty.clear()
+            if len(dirty) == 1:
+                flows = active[next(iter(dirty))]
+            else:
+                flows = set()
+                for r in dirty:
+                    flows.update(active[r])
+            dirty = set()
             for f in flows:
-                new = min(cap[r] / len(active[r]) for r in res[f])
+                rs = res[f]
+                if len(rs) == 1:
+                    new = cap[rs[0]] / len(active[rs[0]])
+                else:
+                    new = min([cap[r] / len(active[r]) for r in rs])
                 old = rate[f]
                 if new != old:
                     if old > 0.0:
@@ -212,26 +218,28 @@ def run(graph: TaskGraph, capacity: Sequence[float], t0: float = 0.0) -> EngineR
                         rem[f] = left if left > 0.0 else 0.0
                     tlast[f] = t
                     rate[f] = new
-                    ver[f] += 1
-                    push(heap, (t + rem[f] / new, ver[f], 1, f))
+                    v = ver[f] + 1
+                    ver[f] = v
+                    push(heap, (t + rem[f] / new, v, f))
         if not heap:
             break
         # Advance to the next instant and take all of its events.
         t = heap[0][0]
-        horizon = t + _EPS_T + abs(t) * 1e-12
+        horizon = t + _EPS_T + t * 1e-12
         while heap and heap[0][0] <= horizon:
-            _, tag, kind, i = pop(heap)
+            _, v, i = pop(heap)
             events += 1
-            if kind == 0:
-                now.append((i, 1))
-            elif tag == ver[i] and finish[i] != finish[i] and i in active[res[i][0]]:
+            if v < 0:
+                now.append(3 * i + 1)
+            elif v == ver[i] and not finished[i]:
                 for r in res[i]:
                     active[r].discard(i)
                     dirty.add(r)
                 rem[i] = 0.0
-                now.append((i, 2))
+                ver[i] = v + 1  # no second completion
+                now.append(3 * i + 2)
     if done != n:
-        stuck = [graph.tags[i] for i in range(n) if finish[i] != finish[i]]
+        stuck = [graph.tags[i] for i in range(n) if not finished[i]]
         raise ScheduleError(
             f"program deadlocks: {len(stuck)} of {n} operations never run, first {stuck[:5]!r}"
         )

@@ -83,41 +83,55 @@ def program_task_graph(
     # Task ids are assigned in (rank, index) order, so the gate goes last.
     gate_id = total if pcie_pairs else -1
     reduce_lat = params.copy_s + params.reduce_extra_s
+    # Appended straight to the graph's lists: this loop runs once per op.
+    g_lat, g_bytes, g_res, g_deps, g_waits, g_raises, g_tags = (
+        g.latency, g.nbytes, g.resources, g.deps, g.waits, g.raises, g.tags
+    )
+    route_of = resources.route
+    reducer = resources.reducer
     for r, ops in enumerate(program.ranks):
         last_in_lane: dict[int, int] = {}
         dst = gpus[r]
         b = base[r]
+        nops = len(ops)
         for i, op in enumerate(ops):
-            deps = []
             prev = last_in_lane.get(op.stream)
-            if prev is not None:
-                deps.append(prev)
+            deps = [] if prev is None else [prev]
             for j in op.after:
-                if not 0 <= j < len(ops):
-                    raise ScheduleError(f"rank {r} op {i}: after index {j} is outside the rank's {len(ops)} ops")
+                if not 0 <= j < nops:
+                    raise ScheduleError(f"rank {r} op {i}: after index {j} is outside the rank's {nops} ops")
                 deps.append(b + j)
-            tid = b + i
-            last_in_lane[op.stream] = tid
-            if op.kind == "post":
-                g.add(params.post_s, deps=deps, raises=sig(r, op.flag), tag=(r, i))
-            elif op.kind in ("copy", "reduce"):
-                if not 0 <= op.peer < program.nranks or op.peer == r:
-                    raise ScheduleError(f"rank {r} op {i}: peer {op.peer} is not another rank of {program.nranks}")
-                route = resources.route(gpus[op.peer], dst, op.channel)
-                if op.kind == "reduce":
-                    route = route + (resources.reducer(dst),)
+            last_in_lane[op.stream] = b + i
+            kind = op.kind
+            if kind == "post":
+                g_lat.append(params.post_s)
+                g_bytes.append(0.0)
+                g_res.append(())
+                g_waits.append(())
+                g_raises.append(sig(r, op.flag))
+            elif kind == "copy" or kind == "reduce":
+                peer = op.peer
+                if not 0 <= peer < program.nranks or peer == r:
+                    raise ScheduleError(f"rank {r} op {i}: peer {peer} is not another rank of {program.nranks}")
+                route = route_of(gpus[peer], dst, op.channel)
+                if kind == "reduce":
+                    route = route + (reducer(dst),)
+                    g_lat.append(reduce_lat)
+                else:
+                    g_lat.append(params.copy_s)
                 if op.channel == "pcie":
                     deps.append(gate_id)
-                g.add(
-                    reduce_lat if op.kind == "reduce" else params.copy_s,
-                    nbytes=op.count * itemsize,
-                    resources=route,
-                    deps=deps,
-                    waits=(sig(op.peer, op.flag),),
-                    tag=(r, i),
-                )
+                nb = op.count * itemsize
+                if nb < 0:
+                    raise ScheduleError(f"rank {r} op {i}: negative count {op.count}")
+                g_bytes.append(float(nb))
+                g_res.append(route)
+                g_waits.append((sig(peer, op.flag),))
+                g_raises.append(-1)
             else:
-                raise ScheduleError(f"rank {r} op {i}: unknown op kind {op.kind!r}")
+                raise ScheduleError(f"rank {r} op {i}: unknown op kind {kind!r}")
+            g_deps.append(tuple(deps))
+            g_tags.append((r, i))
             where.append((r, i))
     if pcie_pairs:
         g.add(params.pcie_switch_s * len(pcie_pairs), tag=("pcie-switch", len(pcie_pairs)))

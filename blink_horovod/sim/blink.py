@@ -1,0 +1,204 @@
+"""Blink's side of a comparison: plan, pick a chunk size, compile, simulate.
+
+:func:`simulate_blink` runs the real pipeline of the project -- the planner
+(:func:`blink_horovod.planner.make_plan`), the schedule compiler
+(:func:`blink_horovod.schedule.compile_program`) and the chunk-level
+simulator (execute.py) -- for one collective on one allocation.
+
+The chunk size trades per-chunk fixed costs against pipeline fill (Blink,
+section 4, "Automatic chunk size selection").  Unless given, it is chosen by
+:func:`choose_chunk_bytes` from a closed-form estimate of the simulated time
+(steady state on the busiest link lane, plus fill over the deepest tree),
+which is cheap enough to use on every allocation of a sweep; the MIAD tuner
+(``blink_horovod.schedule.miad``) searches the simulator itself and is shown
+against a full chunk-size sweep in docs/paper/ (figure d).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import ConfigError
+from ..planner.plan import Plan
+from ..topology.model import Topology
+from .execute import SimResult, simulate_program
+from .params import DEFAULT_PARAMS, SimParams
+from .resources import ResourceMap
+
+__all__ = ["BlinkEstimate", "simulate_blink", "simulate_plan", "choose_chunk_bytes", "predict_time", "plan_for"]
+
+GB = 1e9
+FRACTION_EPS = 1e-9
+MIN_CHUNK = 64 * 1024
+# The simulator's cost grows with the number of ops; chunks are not made so
+# small that one collective needs more than this many (the estimate's optimum
+# lies far above it at the sizes that matter).
+MAX_OPS = 60000
+
+
+@dataclass
+class BlinkEstimate:
+    """One simulated Blink collective."""
+
+    time_s: float
+    bound_s: float  # size / plan.optimum_gbps: no schedule can beat it on these links
+    plan: Plan
+    chunk_bytes: int
+    result: SimResult
+
+    @property
+    def trees(self) -> int:
+        return sum(1 for t in self.plan.trees if t.fraction > FRACTION_EPS)
+
+    @property
+    def over_bound(self) -> float:
+        """Simulated time over the proven bound, minus one (0.05 = 5% above)."""
+        return self.time_s / self.bound_s - 1.0 if self.bound_s > 0 else math.inf
+
+
+def plan_for(topology: Topology, collective: str, root: int | None = None, channels: Sequence[str] | None = None) -> Plan:
+    """The planner's plan (cached under ``BLINK_PLAN_CACHE`` when the cache module exists)."""
+    try:
+        from ..planner.cache import cached_plan
+    except ImportError:  # pragma: no cover - cache is part of the planner
+        cached_plan = None
+    if cached_plan is not None:
+        return cached_plan(topology, collective, root=root, channels=channels)
+    from ..planner import make_plan
+
+    return make_plan(topology, collective, root=root, channels=channels)
+
+
+def _tree_hops(plan: Plan, kind: str) -> int:
+    """Longest chain of dependent transfers in any tree (pipeline depth)."""
+    best = 0
+    for t in plan.trees:
+        if t.fraction <= FRACTION_EPS or not t.edges:
+            continue
+        d = t.depth()
+        best = max(best, 2 * d if kind == "allreduce" else d)
+    return best
+
+
+def predict_time(plan: Plan, topology: Topology, size_bytes: int, chunk_bytes: int, params: SimParams = DEFAULT_PARAMS, kind: str | None = None, resources: ResourceMap | None = None) -> float:
+    """Closed-form estimate of the simulated time (used to choose a chunk size).
+
+    Steady state: every lane (one per incoming link of a rank, as the compiler
+    assigns them) moves its bytes at its route's bottleneck and pays the fixed
+    cost of each of its ops; every resource moves its bytes at its capacity.
+    Fill and drain: the deepest tree's hops, one chunk each.
+    """
+    kind = kind or plan.collective
+    rmap = resources or ResourceMap(topology, params)
+    lanes: dict[tuple[int, int, str], list[float]] = {}
+    res_bytes: dict[int, float] = {}
+    L_copy = params.copy_s
+    L_red = params.copy_s + params.reduce_extra_s
+    for t in plan.trees:
+        if t.fraction <= FRACTION_EPS or not t.edges:
+            continue
+        b = t.fraction * size_bytes
+        nch = max(1, math.ceil(b / chunk_bytes))
+        inner = {p for p, _ in t.edges}
+        for p, c in t.edges:
+            moves = []
+            if kind in ("allreduce", "reduce"):
+                moves.append((c, p, L_red + (params.post_s if c in inner else 0.0)))
+            if kind in ("allreduce", "broadcast"):
+                moves.append((p, c, L_copy + (params.post_s if c in inner else 0.0)))
+            for src, dst, lat in moves:
+                lane = lanes.setdefault((dst, src, t.channel), [0.0, 0.0, math.inf])
+                route = rmap.route(src, dst, t.channel)
+                lane[0] += b
+                lane[1] += nch * lat
+                lane[2] = min(lane[2], min(rmap.capacity[r] for r in route))
+                for r in route:
+                    res_bytes[r] = res_bytes.get(r, 0.0) + b
+    if not lanes:
+        return params.launch_s
+    steady = max(max(v[0] / v[2] + v[1] for v in lanes.values()), max(b / rmap.capacity[r] for r, b in res_bytes.items()))
+    hop_bw = sorted(v[2] for v in lanes.values())[len(lanes) // 2]
+    hops = _tree_hops(plan, kind)
+    fill = max(0, hops - 1) * (min(chunk_bytes, size_bytes) / hop_bw + L_copy + params.post_s)
+    # The PCIe channel switch does not depend on the chunk size: left out.
+    return params.launch_s + steady + fill
+
+
+def _op_count(plan: Plan, size_bytes: int, chunk_bytes: int, kind: str) -> int:
+    per_edge = 2 if kind == "allreduce" else 1
+    total = 0
+    for t in plan.trees:
+        if t.fraction > FRACTION_EPS and t.edges:
+            total += math.ceil(t.fraction * size_bytes / chunk_bytes) * len(t.edges) * per_edge * 2
+    return total
+
+
+def choose_chunk_bytes(plan: Plan, topology: Topology, size_bytes: int, params: SimParams = DEFAULT_PARAMS, kind: str | None = None) -> int:
+    """The power-of-two chunk size (>= 64 KiB) with the least :func:`predict_time`.
+
+    Examples
+    --------
+    >>> from blink_horovod.planner.plan import Plan, Tree
+    >>> from blink_horovod.topology import resolve
+    >>> chain = Plan("broadcast", "dgx1v", (0, 1, 2), 0, (Tree(0, 1.0, ((0, 1), (1, 2))),), 25.0, 25.0)
+    >>> choose_chunk_bytes(chain, resolve("dgx1v:0,1,2"), 2**30) >= 2**20
+    True
+    """
+    kind = kind or plan.collective
+    rmap = ResourceMap(topology, params)
+    if size_bytes <= MIN_CHUNK:
+        return max(params.itemsize, size_bytes)
+    best: tuple[float, int] | None = None
+    s = MIN_CHUNK
+    while True:
+        if _op_count(plan, size_bytes, s, kind) <= MAX_OPS:
+            t = predict_time(plan, topology, size_bytes, s, params, kind, rmap)
+            if best is None or t < best[0] * (1 - 1e-9):
+                best = (t, s)
+        if s >= size_bytes:
+            break
+        s *= 2
+    assert best is not None
+    return best[1]
+
+
+def simulate_plan(plan: Plan, topology: Topology, size_bytes: int, chunk_bytes: int | None = None, params: SimParams = DEFAULT_PARAMS, kind: str | None = None) -> BlinkEstimate:
+    """Compile ``plan`` for ``size_bytes`` and simulate it on ``topology``."""
+    from ..schedule import compile_program
+
+    if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes < 0:
+        raise ConfigError(f"size: expected a whole number of bytes >= 0, got {size_bytes!r}")
+    kind = kind or plan.collective
+    if chunk_bytes is None:
+        chunk_bytes = choose_chunk_bytes(plan, topology, size_bytes, params, kind)
+    if chunk_bytes < params.itemsize:
+        raise ConfigError(f"chunk: must be at least one element ({params.itemsize} bytes), got {chunk_bytes}")
+    count = -(-size_bytes // params.itemsize)
+    program = compile_program(plan, count, max(1, chunk_bytes // params.itemsize), kind)
+    result = simulate_program(program, topology, params, gpus=plan.gpus)
+    bound = size_bytes / (plan.optimum_gbps * GB) if plan.optimum_gbps > 0 else 0.0
+    return BlinkEstimate(result.time_s, bound, plan, chunk_bytes, result)
+
+
+def simulate_blink(
+    topology: Topology,
+    collective: str,
+    size_bytes: int,
+    *,
+    root: int | None = None,
+    channels: Sequence[str] | None = None,
+    chunk_bytes: int | None = None,
+    params: SimParams = DEFAULT_PARAMS,
+    plan: Plan | None = None,
+) -> BlinkEstimate:
+    """Plan (unless ``plan`` is given), compile and simulate one Blink collective.
+
+    ``root`` defaults to the allocation's first GPU for a broadcast.
+    """
+    if plan is None:
+        if collective == "broadcast" and root is None:
+            root = topology.gpus[0]
+        plan = plan_for(topology, collective, root=root, channels=channels)
+    return simulate_plan(plan, topology, size_bytes, chunk_bytes, params)
