@@ -1,0 +1,401 @@
+"""The server's communicator: allreduce, broadcast and the two hierarchical stages, in place on numpy arrays.
+
+One communicator per process joins the ranks of one server.  It never plans
+or schedules by itself: it asks the planner for Blink's trees (once per
+collective and root, through the plan cache), the schedule compiler for the
+program of each size (cached, and proved by the symbolic checker once), and
+hands the program to the executor (:mod:`blink_horovod.runtime.executor`)
+over the shared-memory transport.
+
+The four collectives (../shared/DESIGN.md, "The flow of one allreduce"):
+
+``allreduce(arr, op)``       every rank ends with op over all ranks' ``arr``;
+``broadcast(arr, root)``     every rank ends with local rank ``root``'s ``arr``;
+``reduce_to_roots(arr, op)`` stage 1: local rank i's ``arr[start:end]`` holds
+                             the server's reduction of the i-th 1/n segment,
+                             ``[i*count//n, (i+1)*count//n)`` (the same on
+                             every server, whatever its plan);
+``broadcast_from_roots(arr)`` stage 3: every rank ends with every local rank's
+                             segment.
+
+Messages larger than :data:`MAX_PIECE_BYTES` run in pieces.  For the two
+stages the pieces keep every rank's segment: piece k holds the k-th
+``q``-element slice of each segment, so the segments of a piece's program
+(the i-th 1/n of the piece) are exactly slices of the whole segments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..config import BLINK_TOPOLOGY, Config, load_config
+from ..errors import BlinkInternalError, ConfigError
+from ..planner.plan import Plan
+from ..topology.model import Topology
+from .dtypes import check_op, dtype_name, finish_average, numpy_dtype
+from .executor import Executor, Piece, Run
+from .rendezvous import Rendezvous
+from .transport import Transport, WaitContext
+from .tuning import ChunkChooser, bucket_of
+
+__all__ = ["Communicator", "MAX_PIECE_BYTES", "segment_bounds"]
+
+log = logging.getLogger("blink_horovod.runtime")
+
+MAX_PIECE_BYTES = 64 << 20  # buffer size per rank beyond which messages run in pieces
+_PROGRAM_CACHE = 256
+
+Planner = Callable[[Topology, str, "int | None"], Plan]
+
+
+def segment_bounds(count: int, n: int, i: int) -> tuple[int, int]:
+    """Local rank i's segment of a ``count``-element buffer: the i-th 1/n (FORMATS.md, 2)."""
+    return i * count // n, (i + 1) * count // n
+
+
+def _default_planner(cfg: Config) -> Planner:
+    def plan(topology: Topology, collective: str, root: int | None) -> Plan:
+        from ..planner.cache import cached_plan  # lazy: planning needs scipy/cvxpy only on a miss
+
+        return cached_plan(topology, collective, root, None, cfg.plan_cache)
+
+    return plan
+
+
+def resolve_topology(local_size: int, config: Config, device: str = "cpu") -> Topology:
+    """The server's topology: ``BLINK_TOPOLOGY`` or, unset, ``cpu(local_size)``."""
+    from ..topology import machines
+
+    if config.topology:
+        topo = machines.resolve(config.topology)
+        if topo.n != local_size:
+            raise ConfigError(
+                f"{BLINK_TOPOLOGY}: {config.topology!r} has {topo.n} GPUs but the server runs {local_size} ranks "
+                f"(pick an allocation of {local_size}, e.g. NAME:0,1,...)"
+            )
+        return topo
+    if device == "cpu":
+        return machines.cpu(local_size)
+    raise ConfigError(f"{BLINK_TOPOLOGY}: unset, and probing GPUs is not part of the CPU runtime (device {device!r})")
+
+
+class Communicator:
+    """The ranks of one server, executing Blink's programs on numpy arrays in place.
+
+    Parameters
+    ----------
+    local_rank, local_size : int
+        This rank and the number of ranks of the server.
+    topology : Topology, optional
+        The server's topology; None: from ``BLINK_TOPOLOGY`` or ``cpu(local_size)``.
+    rendezvous : Rendezvous
+        The server's ranks (job id, allgather, barrier).
+    config : Config, optional
+        The ``BLINK_*`` settings; default :func:`load_config`.
+    device : str
+        ``"cpu"`` (numpy arrays over shared memory).  ``"cuda"`` is the GPU
+        executor, not part of this build.
+    transport : Transport, optional
+        An already built transport (tests: the loopback one).
+    planner : callable, optional
+        ``planner(topology, collective, root) -> Plan``; default the plan cache.
+    """
+
+    def __init__(
+        self,
+        local_rank: int,
+        local_size: int,
+        topology: Topology | None,
+        rendezvous: Rendezvous | None,
+        config: Config | None = None,
+        device: str = "cpu",
+        *,
+        transport: Transport | None = None,
+        planner: Planner | None = None,
+    ) -> None:
+        self.config = config or load_config()
+        if device != "cpu":
+            raise ConfigError(f"device: {device!r} is not available in this runtime (the GPU executor is not built); use 'cpu'")
+        if local_size < 1 or not 0 <= local_rank < local_size:
+            raise ConfigError(f"local_rank: {local_rank} is not in 0..{local_size - 1}")
+        self.local_rank, self.local_size = local_rank, local_size
+        self.device = device
+        self.topology = topology if topology is not None else resolve_topology(local_size, self.config, device)
+        if self.topology.n != local_size:
+            raise ConfigError(f"topology: {self.topology.name!r} has {self.topology.n} GPUs, the server {local_size} ranks")
+        self.rendezvous = rendezvous
+        self._planner = planner or _default_planner(self.config)
+        self._plans: dict[tuple[str, int | None], tuple[Plan, str]] = {}
+        self._programs: "OrderedDict[tuple, Any]" = OrderedDict()
+        self._chunks = ChunkChooser(self.config.chunk_bytes)
+        self._last_seconds: dict[tuple[str, int], float] = {}
+        self._lock = threading.Lock()
+        if transport is None and local_size > 1:
+            transport = self._make_transport()
+        self._transport = transport
+        self._executor = (
+            Executor(transport, self.config.timeout_seconds, self.config.stall_check_seconds, self.config.fault)
+            if transport is not None
+            else None
+        )
+
+    def _make_transport(self) -> Transport:
+        from .shm import ShmTransport
+
+        if self.rendezvous is None:
+            raise ConfigError("rendezvous: a server of several ranks needs a rendezvous")
+        job = self.rendezvous.job_id
+        pids = self.rendezvous.allgather(os.getpid())
+        ctx = WaitContext.start("communicator setup", self.config.timeout_seconds, self.config.stall_check_seconds)
+        return ShmTransport(self.local_rank, self.local_size, job, ctx, pids=pids)
+
+    # -- plans and programs ------------------------------------------------------
+    def plan(self, collective: str, root: int | None = None) -> Plan:
+        """The plan of ``collective`` (root: a local rank), the same on every rank.
+
+        Local rank 0 plans (or reads the cache) and shares the plan through the
+        rendezvous, so every rank executes one plan even if planning were not
+        deterministic.  Called in the same order on every rank.
+        """
+        return self._plan_entry(collective, root)[0]
+
+    def _plan_entry(self, collective: str, root: int | None) -> tuple[Plan, str]:
+        key = (collective, root)
+        entry = self._plans.get(key)
+        if entry is not None:
+            return entry
+        gpu_root = None if root is None else self.topology.gpus[root]
+        if self.local_size == 1 or self.rendezvous is None:
+            plan = self._planner(self.topology, collective, gpu_root)
+        else:
+            mine = self._planner(self.topology, collective, gpu_root).to_dict() if self.local_rank == 0 else None
+            plan = Plan.from_dict(self.rendezvous.allgather(mine)[0])
+        if tuple(plan.gpus) != tuple(self.topology.gpus):
+            raise BlinkInternalError(
+                f"plan for {collective}: gpus {list(plan.gpus)} are not the topology's {list(self.topology.gpus)} in order"
+            )
+        digest = hashlib.sha1(plan.to_json(indent=None).encode()).hexdigest()[:16]
+        entry = self._plans[key] = (plan, digest)
+        return entry
+
+    def program(self, plan: Plan, digest: str, count: int, chunk_elems: int, kind: str):
+        """The compiled, checked program (cached per plan, count, chunk and kind)."""
+        key = (digest, count, chunk_elems, kind)
+        prog = self._programs.get(key)
+        if prog is not None:
+            self._programs.move_to_end(key)
+            return prog
+        from ..schedule import check_program, compile_program
+
+        prog = compile_program(plan, count, chunk_elems, kind)
+        check_program(prog, plan)
+        self._programs[key] = prog
+        if len(self._programs) > _PROGRAM_CACHE:
+            self._programs.popitem(last=False)
+        return prog
+
+    def chunk_sizes(self) -> dict[int, int]:
+        """Size bucket (bytes) -> chunk bytes in use (MIAD's choices, or the fixed size)."""
+        return self._chunks.settled()
+
+    # -- argument checks -----------------------------------------------------------
+    def _flat(self, arr: np.ndarray, what: str) -> tuple[np.ndarray, str]:
+        if not isinstance(arr, np.ndarray):
+            raise ConfigError(f"{what}: expected a numpy array, got {type(arr).__name__}")
+        if not arr.flags.c_contiguous or not arr.flags.writeable:
+            raise ConfigError(f"{what}: the array must be C-contiguous and writeable (got shape {list(arr.shape)}, "
+                              f"strides {list(arr.strides)})")
+        return arr.reshape(-1), dtype_name(arr.dtype)
+
+    def _checked(self, collective: str, name: str | None, arr: np.ndarray, dtype: str, op: str | None,
+                 root: int | None, digest: str) -> dict[str, Any]:
+        return {"collective": collective, "name": name or "", "dtype": dtype, "shape": list(arr.shape),
+                "op": op, "root": root, "plan": digest}
+
+    def _label(self, collective: str, name: str | None) -> str:
+        seq = (self._executor.seq + 1) if self._executor else 0
+        return f"{collective} {name!r} (collective {seq})" if name else f"{collective} (collective {seq})"
+
+    def _chunk_elems(self, all_extras: list[dict[str, Any]], nbytes: int, itemsize: int) -> int:
+        times = [e.get("t") for e in all_extras if e.get("t") is not None]
+        agreed = max(times) if len(times) == len(all_extras) else None
+        return max(1, self._chunks.chunk_bytes(nbytes, agreed) // itemsize)
+
+    def _run(self, collective: str, name: str | None, arr: np.ndarray, flat: np.ndarray, dtype: str, op: str,
+             root: int | None, plan_key: tuple[str, int | None], make_pieces) -> None:
+        plan, digest = self._plan_entry(*plan_key)
+        nbytes = flat.nbytes
+        bucket = (collective, bucket_of(nbytes))
+        extras = {"t": self._last_seconds.get(bucket)}
+        itemsize = flat.dtype.itemsize
+
+        def build(all_extras: list[dict[str, Any]]) -> list[Piece]:
+            chunk = self._chunk_elems(all_extras, nbytes, itemsize)
+            return make_pieces(plan, digest, chunk)
+
+        started = time.perf_counter()
+        self._executor.collective(  # type: ignore[union-attr]
+            self._label(collective, name), self._checked(collective, name, arr, dtype, op, root, digest), extras,
+            flat, dtype, op, build,
+        )
+        self._last_seconds[bucket] = time.perf_counter() - started
+
+    # -- the collectives -------------------------------------------------------------
+    def allreduce(self, arr: np.ndarray, op: str = "sum", name: str | None = None) -> np.ndarray:
+        """Reduce ``arr`` over the server's ranks, in place; returns ``arr``."""
+        op = check_op(op)
+        flat, dtype = self._flat(arr, "allreduce")
+        if self._executor is None or flat.size == 0:
+            return arr
+        with self._lock:
+            n = self.local_size
+            piece = max(1, MAX_PIECE_BYTES // flat.dtype.itemsize)
+
+            def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
+                out = []
+                for a in range(0, flat.size, piece):
+                    cnt = min(piece, flat.size - a)
+                    runs: list[Run] = [(a, 0, cnt)]
+                    out.append(Piece(self.program(plan, digest, cnt, chunk, "allreduce"), runs, runs))
+                return out
+
+            self._run("allreduce", name, arr, flat, dtype, op, None, ("allreduce", None), pieces)
+            if op == "average":
+                finish_average(flat, n, dtype)
+        return arr
+
+    def broadcast(self, arr: np.ndarray, root: int = 0, name: str | None = None) -> np.ndarray:
+        """Every rank's ``arr`` becomes local rank ``root``'s, in place; returns ``arr``."""
+        if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= int(root) < self.local_size:
+            raise ConfigError(f"root: expected a local rank in 0..{self.local_size - 1}, got {root!r}")
+        root = int(root)
+        flat, dtype = self._flat(arr, "broadcast")
+        if self._executor is None or flat.size == 0:
+            return arr
+        with self._lock:
+            me = self.local_rank
+            piece = max(1, MAX_PIECE_BYTES // flat.dtype.itemsize)
+
+            def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
+                out = []
+                for a in range(0, flat.size, piece):
+                    cnt = min(piece, flat.size - a)
+                    runs: list[Run] = [(a, 0, cnt)]
+                    prog = self.program(plan, digest, cnt, chunk, "broadcast")
+                    out.append(Piece(prog, runs if me == root else (), () if me == root else runs))
+                return out
+
+            self._run("broadcast", name, arr, flat, dtype, None, root, ("broadcast", root), pieces)
+        return arr
+
+    def _segment_pieces(self, flat: np.ndarray) -> list[list[Run]]:
+        """Runs of each piece for the hierarchical stages (module docstring)."""
+        n, count = self.local_size, flat.size
+        bounds = [segment_bounds(count, n, i) for i in range(n)]
+        q = max(1, MAX_PIECE_BYTES // flat.dtype.itemsize // n)
+        full = (count // n) // q
+        out: list[list[Run]] = []
+        for k in range(full):
+            out.append([(lo + k * q, i * q, q) for i, (lo, _) in enumerate(bounds)])
+        rest = count - full * q * n
+        if rest > 0:
+            runs, pos = [], 0
+            for lo, hi in bounds:
+                m = hi - lo - full * q
+                runs.append((lo + full * q, pos, m))
+                pos += m
+            out.append(runs)
+        return out
+
+    def reduce_to_roots(self, arr: np.ndarray, op: str = "sum", name: str | None = None) -> tuple[int, int]:
+        """Stage 1: local rank i's ``arr[start:end]`` becomes the server's op over its segment.
+
+        Returns ``(start, end)`` in elements of the flattened array; elements
+        outside it keep this rank's input.  ``average`` divides by the
+        server's rank count (the hierarchical caller sums and divides once).
+        """
+        op = check_op(op)
+        flat, dtype = self._flat(arr, "reduce_to_roots")
+        me, n = self.local_rank, self.local_size
+        start, end = segment_bounds(flat.size, n, me)
+        if self._executor is None or flat.size == 0:
+            return start, end
+        with self._lock:
+
+            def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
+                out = []
+                for runs in self._segment_pieces(flat):
+                    cnt = sum(r[2] for r in runs)
+                    prog = self.program(plan, digest, cnt, chunk, "reduce")
+                    out.append(Piece(prog, runs, [runs[me]]))
+                return out
+
+            self._run("reduce_to_roots", name, arr, flat, dtype, op, None, ("allreduce", None), pieces)
+            if op == "average":
+                finish_average(flat[start:end], n, dtype)
+        return start, end
+
+    def broadcast_from_roots(self, arr: np.ndarray, name: str | None = None) -> np.ndarray:
+        """Stage 3: local rank i's segment of ``arr`` goes to every rank; returns ``arr``."""
+        flat, dtype = self._flat(arr, "broadcast_from_roots")
+        me = self.local_rank
+        if self._executor is None or flat.size == 0:
+            return arr
+        with self._lock:
+
+            def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
+                out = []
+                for runs in self._segment_pieces(flat):
+                    cnt = sum(r[2] for r in runs)
+                    prog = self.program(plan, digest, cnt, chunk, "broadcast")
+                    out.append(Piece(prog, [runs[me]], [r for i, r in enumerate(runs) if i != me]))
+                return out
+
+            self._run("broadcast_from_roots", name, arr, flat, dtype, None, None, ("allreduce", None), pieces)
+        return arr
+
+    def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]:
+        """Every local rank's small picklable ``obj`` (up to ~48 KB pickled), through the
+        shared metadata slots: microseconds, where a file rendezvous takes milliseconds."""
+        import base64
+        import pickle
+
+        if self._executor is None:
+            return [obj]
+        payload = base64.b64encode(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+        with self._lock:
+            extras = self._executor.collective(
+                self._label("allgather_object", name), {"collective": "allgather_object", "name": name or ""},
+                {"o": payload}, np.empty(0, np.uint8), "uint8", "sum", lambda _: [],
+            )
+        return [pickle.loads(base64.b64decode(e["o"])) for e in extras]
+
+    def barrier(self) -> None:
+        """Every local rank reaches this point (through the metadata slots)."""
+        self.allgather_object(None, "barrier")
+
+    # -- lifetime ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the shared memory and leave the server (idempotent)."""
+        if self._executor is not None:
+            self._executor.close()
+        elif self._transport is not None:
+            self._transport.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def transport(self) -> Transport | None:
+        return self._transport

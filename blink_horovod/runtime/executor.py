@@ -1,0 +1,217 @@
+"""The CPU executor: replays compiled programs over a transport, with numpy.
+
+A :class:`~blink_horovod.schedule.program.Program` is the per-rank list of
+``post``/``copy``/``reduce`` operations the schedule compiler derived from
+Blink's trees (Blink, section 4: chunks pipelined over the spanning trees,
+reductions on the receiving GPU).  This executor runs one rank's list in
+order, which the program's step rule makes deadlock-free, on the buffers the
+transport shares: ``copy`` is a numpy slice assignment, ``reduce`` an in-place
+ufunc (``np.add(dst, src, out=dst)``).
+
+One *collective* here is
+
+1. a metadata exchange among the server's ranks
+   (:mod:`blink_horovod.runtime.metadata`): disagreement raises
+   ``MismatchError`` on every rank before any byte moves.  A rank posts its
+   metadata only after finishing its previous collective, so once every
+   peer's is in, nobody reads any buffer of the previous one any more: the
+   buffer-reuse rule of ``Program.readers()`` holds with no extra wait;
+2. buffer growth if needed (:meth:`Transport.reserve`);
+3. one or more *pieces* (a message larger than the buffers is cut into
+   pieces): stage the input into the own buffer once, run the piece's program
+   under a fresh epoch, post "done", copy the result out once.  Before staging
+   piece k+1 a rank waits for the "done" of piece k from every rank that reads
+   its buffer (``Program.readers()``).
+
+Any failure aborts the transport (peers raise the same error class, naming
+this rank) and leaves the executor unusable, as an aborted NCCL communicator.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import BlinkError, BlinkInternalError
+from ..schedule.program import Program
+from . import metadata
+from .dtypes import numpy_dtype, reduce_into
+from .faults import FaultInjector
+from .transport import STATE_ABORTED, W_STATE, Transport, WaitContext
+
+__all__ = ["Run", "Piece", "Executor"]
+
+Run = tuple[int, int, int]  # (offset in the user's array, offset in the buffer, elements)
+
+_COPY, _REDUCE, _POST = 0, 1, 2
+
+
+@dataclass
+class Piece:
+    """One program execution: which runs of the user's array go in and come out."""
+
+    program: Program
+    stage_in: Sequence[Run] = ()
+    stage_out: Sequence[Run] = ()
+
+
+@dataclass
+class _Lowered:
+    program: Program
+    ops: list[tuple[int, int, int, int, int]]  # (kind, peer, flag, start, stop)
+    readers: list[int]
+    nflags: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Executor:
+    """Executes collectives for rank ``transport.rank`` (one thread at a time).
+
+    Parameters
+    ----------
+    transport : Transport
+        The server's shared buffers and flags.
+    timeout, stall : float
+        ``BLINK_TIMEOUT_SECONDS`` and ``BLINK_STALL_CHECK_SECONDS``.
+    fault : str, optional
+        ``BLINK_FAULT`` (tests only).
+    """
+
+    def __init__(self, transport: Transport, timeout: float, stall: float, fault: str | None = None) -> None:
+        self.t = transport
+        self.rank = transport.rank
+        self.nranks = transport.nranks
+        self.timeout = timeout
+        self.stall = stall
+        self.seq = 0  # collectives started (metadata sequence)
+        self.epoch = 0  # programs executed (flag values)
+        self.failed: BaseException | None = None
+        self._lowered: dict[int, _Lowered] = {}
+        self._views: dict[str, list[np.ndarray]] = {}
+        self.faults = FaultInjector.from_config(fault, self.rank, self._peer_failed)
+        self.chunk_ops = 0
+
+    # -- the collective --------------------------------------------------------
+    def collective(
+        self,
+        label: str,
+        checked: Mapping[str, Any],
+        extras: Mapping[str, Any],
+        arr: np.ndarray,
+        dtype: str,
+        op: str,
+        build: Callable[[list[dict[str, Any]]], Sequence[Piece]],
+    ) -> list[dict[str, Any]]:
+        """Run one collective on the flat array ``arr`` (in place).
+
+        ``build(extras_of_every_rank)`` returns the pieces once the ranks
+        agree (so choices that depend on all ranks' measurements, such as the
+        chunk size, are the same everywhere).  Returns every rank's extras.
+        """
+        if self.failed is not None:
+            raise BlinkInternalError(f"{label}: this communicator is unusable after an earlier failure: {self.failed}")
+        ctx = WaitContext.start(label, self.timeout, self.stall)
+        try:
+            self.seq += 1
+            payloads = self.t.exchange_meta(self.seq, metadata.encode(checked, extras), ctx)
+            all_extras = metadata.check_agreement(payloads, self.seq)
+            pieces = list(build(all_extras))
+            lowered = [self._lower(p.program) for p in pieces]
+            itemsize = numpy_dtype(dtype).itemsize
+            need_bytes = max((p.program.count for p in pieces), default=0) * itemsize
+            need_flags = max((lw.nflags for lw in lowered), default=0)
+            if self.t.reserve(need_bytes, need_flags, ctx):
+                self._views.clear()
+            views = self._typed_views(dtype)
+            own = views[self.rank]
+            prev: _Lowered | None = None
+            for piece, lw in zip(pieces, lowered):
+                self.epoch += 1
+                if prev is not None and prev.readers:
+                    self.t.wait_done(prev.readers, self.epoch - 1, ctx)
+                for a, b, n in piece.stage_in:
+                    own[b : b + n] = arr[a : a + n]
+                self._run(lw, views, dtype, op, ctx)
+                self.t.post_done(self.epoch)
+                for a, b, n in piece.stage_out:
+                    arr[a : a + n] = own[b : b + n]
+                prev = lw
+            return all_extras
+        except BaseException as exc:
+            self.failed = exc
+            self.t.abort(exc)
+            raise
+
+    def _typed_views(self, dtype: str) -> list[np.ndarray]:
+        views = self._views.get(dtype)
+        if views is None:
+            dt = numpy_dtype(dtype)
+            views = []
+            for r in range(self.nranks):
+                raw = self.t.data(r)
+                views.append(raw[: raw.size - raw.size % dt.itemsize].view(dt))
+            self._views[dtype] = views
+        return views
+
+    def _lower(self, program: Program) -> _Lowered:
+        """Per-op tuples of this rank, cached per program (host work O(ops))."""
+        cached = self._lowered.get(id(program))
+        if cached is not None and cached.program is program:
+            return cached
+        if program.nranks != self.nranks:
+            raise BlinkInternalError(f"program for {program.nranks} ranks run on {self.nranks} ranks")
+        ops = []
+        for o in program.ranks[self.rank]:
+            if o.kind == "post":
+                ops.append((_POST, -1, o.flag, 0, 0))
+            elif o.kind in ("copy", "reduce"):
+                if not 0 <= o.peer < self.nranks or o.peer == self.rank:
+                    raise BlinkInternalError(f"program op reads rank {o.peer} on rank {self.rank}")
+                ops.append((_COPY if o.kind == "copy" else _REDUCE, o.peer, o.flag, o.offset, o.offset + o.count))
+            else:
+                raise BlinkInternalError(f"program op kind {o.kind!r} unknown")
+        nflags = max(program.nflags) if program.nflags else 0
+        lw = _Lowered(program, ops, sorted(program.readers()[self.rank]), nflags)
+        if len(self._lowered) > 4096:
+            self._lowered.clear()
+        self._lowered[id(program)] = lw
+        return lw
+
+    def _run(self, lw: _Lowered, views: list[np.ndarray], dtype: str, op: str, ctx: WaitContext) -> None:
+        t, epoch, own, faults = self.t, self.epoch, views[self.rank], self.faults
+        base = t.flag_base
+        load = t.load
+        for kind, peer, flag, start, stop in lw.ops:
+            if kind == _POST:
+                t.store(base + flag, epoch)
+                continue
+            if load(peer, base + flag) < epoch:
+                t.wait_words((peer,), base + flag, epoch, ctx, f"flag {flag}")
+            if faults is not None:
+                faults.before_op()
+            dst = own[start:stop]
+            if kind == _COPY:
+                dst[...] = views[peer][start:stop]
+            else:
+                reduce_into(dst, views[peer][start:stop], op, dtype)
+            if faults is not None:
+                faults.after_op(dst)
+            self.chunk_ops += 1
+
+    def _peer_failed(self) -> bool:
+        try:
+            return any(
+                self.t.load(r, W_STATE) == STATE_ABORTED or not self.t.peer_alive(r)
+                for r in range(self.nranks)
+                if r != self.rank
+            )
+        except Exception:  # pragma: no cover
+            return True
+
+    def close(self) -> None:
+        self.t.close()
+        self._views.clear()
+        self._lowered.clear()

@@ -1,0 +1,127 @@
+"""Fault injection for the reliability tests: ``BLINK_FAULT=ACTION:after=K[:rank=R]``.
+
+Issue 6 asks that every fault end in a clear error, never a hang; to prove it,
+the tests make the runtime fail on purpose, at a chosen chunk operation of a
+chosen rank, through this hook (used only by tests; unset, it costs one
+attribute test per chunk).
+
+``ACTION`` is one of
+
+``kill``     the rank SIGKILLs itself (a crash: no cleanup code runs),
+``raise``    the rank raises ``BlinkInternalError`` (an error in one rank),
+``stall``    the rank stops (sleeps) until a peer gives up on it, or
+             ``seconds=S`` pass (default 3600),
+``corrupt``  the rank flips one bit of the chunk it just received (wrong data,
+             which ``blink perf -c`` must count).
+
+``after=K``: the fault acts at this rank's (K+1)-th chunk operation (a copy
+or reduce) since the process started, i.e. after K completed ones; ``kill``,
+``raise`` and ``stall`` act instead of it, ``corrupt`` after it.  ``rank=R``
+(a local rank) limits it to one rank; without it every rank faults.  It fires
+once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..config import BLINK_FAULT
+from ..errors import BlinkInternalError, ConfigError
+
+__all__ = ["FAULT_ACTIONS", "FaultSpec", "parse_fault", "FaultInjector"]
+
+FAULT_ACTIONS = ("kill", "raise", "stall", "corrupt")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    action: str
+    after: int
+    rank: int | None = None
+    seconds: float = 3600.0
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """Parse ``"kill:after=3:rank=1"``; bad input raises ConfigError naming BLINK_FAULT."""
+    parts = [p.strip() for p in str(text).strip().split(":")]
+    action = parts[0].lower()
+    if action not in FAULT_ACTIONS:
+        raise ConfigError(f"{BLINK_FAULT}: unknown action {parts[0]!r} in {text!r} (expected one of {', '.join(FAULT_ACTIONS)})")
+    fields: dict[str, str] = {}
+    for p in parts[1:]:
+        key, sep, value = p.partition("=")
+        if not sep or key not in ("after", "rank", "seconds") or key in fields:
+            raise ConfigError(f"{BLINK_FAULT}: bad field {p!r} in {text!r} (expected after=K, rank=R, seconds=S)")
+        fields[key] = value
+    if "after" not in fields:
+        raise ConfigError(f"{BLINK_FAULT}: missing after=K in {text!r}")
+
+    def _int(key: str) -> int:
+        try:
+            value = int(fields[key])
+        except ValueError:
+            raise ConfigError(f"{BLINK_FAULT}: {key} must be a non-negative integer, got {fields[key]!r}") from None
+        if value < 0:
+            raise ConfigError(f"{BLINK_FAULT}: {key} must be a non-negative integer, got {fields[key]!r}")
+        return value
+
+    seconds = 3600.0
+    if "seconds" in fields:
+        try:
+            seconds = float(fields["seconds"])
+        except ValueError:
+            raise ConfigError(f"{BLINK_FAULT}: seconds must be a number, got {fields['seconds']!r}") from None
+    return FaultSpec(action, _int("after"), _int("rank") if "rank" in fields else None, seconds)
+
+
+class FaultInjector:
+    """Counts this rank's chunk operations and fires the fault at the chosen one.
+
+    ``peer_failed`` (from the executor) lets a stalled rank notice that its
+    peers gave up, so that the stall ends in their error, not in a hang.
+    """
+
+    def __init__(self, spec: FaultSpec, rank: int, peer_failed: Callable[[], bool] | None = None) -> None:
+        self.spec = spec
+        self.active = spec.rank is None or spec.rank == rank
+        self.rank = rank
+        self.done = 0
+        self.fired = False
+        self.peer_failed = peer_failed or (lambda: False)
+
+    @classmethod
+    def from_config(cls, fault: str | None, rank: int, peer_failed: Callable[[], bool] | None = None) -> "FaultInjector | None":
+        if not fault:
+            return None
+        return cls(parse_fault(fault), rank, peer_failed)
+
+    def before_op(self) -> None:
+        """Called before each chunk operation."""
+        if not self.active or self.fired or self.done != self.spec.after:
+            return
+        action = self.spec.action
+        if action == "kill":
+            self.fired = True
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "raise":
+            self.fired = True
+            raise BlinkInternalError(f"fault injected by {BLINK_FAULT}: rank {self.rank} raised at chunk op {self.done + 1}")
+        elif action == "stall":
+            self.fired = True
+            end = time.monotonic() + self.spec.seconds
+            while time.monotonic() < end and not self.peer_failed():
+                time.sleep(0.05)
+
+    def after_op(self, region: np.ndarray) -> None:
+        """Called after each chunk operation with the region it wrote."""
+        self.done += 1
+        if self.active and not self.fired and self.spec.action == "corrupt" and self.done == self.spec.after + 1:
+            self.fired = True
+            if region.size:
+                region.view(np.uint8)[:1] ^= np.uint8(1)

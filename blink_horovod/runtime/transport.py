@@ -1,0 +1,348 @@
+"""The transport seam: the one small interface the executor drives.
+
+In the manner of httpx's ``BaseTransport`` (../shared/STYLE.md, example 4),
+the executor never knows whether its peers are threads of this process
+(:class:`~blink_horovod.runtime.loopback.LoopbackTransport`, for unit tests)
+or processes of the server sharing POSIX memory
+(:class:`~blink_horovod.runtime.shm.ShmTransport`).  Both present the pull
+model of :mod:`blink_horovod.schedule.program`: each rank owns
+
+* a data buffer every peer can read (:meth:`Transport.data`),
+* 32-bit *words* only it writes: a control block (state, pid, metadata
+  sequence, "done" epoch, ...) followed by the program's flags,
+* two metadata slots and an abort-reason slot (bytes).
+
+Implementations supply five primitives (load a word, store-and-wake an own
+word, block until a word changes, read/write a byte region, tell whether a
+peer process is alive); everything else is written once here, above all the
+waiting loop :meth:`Transport.wait_words`: spin briefly, then sleep in slices;
+after each slice check the peers (an aborted peer -> its error, re-raised
+with its class; a dead or closed peer we wait for -> ``BlinkInternalError``
+naming it); warn every ``BLINK_STALL_CHECK_SECONDS`` naming the ranks not yet
+arrived (Horovod's stall inspector: "Missing ranks"); raise
+``BlinkTimeoutError`` naming the rank waited on at the collective's deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import BlinkError, BlinkInternalError, BlinkTimeoutError, MismatchError
+
+__all__ = [
+    "Transport",
+    "WaitContext",
+    "pid_alive",
+    "W_MAGIC",
+    "W_GEN",
+    "W_PID",
+    "W_STATE",
+    "W_META_SEQ",
+    "W_DONE",
+    "W_READY_GEN",
+    "W_ABORT_KIND",
+    "W_NFLAGS",
+    "W_DATA_PAGES",
+    "W_MAPPED",
+    "STATE_OPEN",
+    "STATE_CLOSED",
+    "STATE_ABORTED",
+    "META_BYTES",
+    "REASON_BYTES",
+]
+
+log = logging.getLogger("blink_horovod.runtime")
+
+# -- the control block: word indices (uint32) --------------------------------
+W_MAGIC = 0
+W_GEN = 1  # generation of this segment (grows when buffers grow)
+W_PID = 2
+W_STATE = 3
+W_META_SEQ = 4  # sequence number of the collective whose metadata is posted
+W_META_LEN = 5  # 5, 6: byte length of metadata slot 0, 1
+W_DONE = 7  # last epoch whose program this rank finished (all its reads done)
+W_READY_GEN = 8  # this rank's segment of that generation exists
+W_ABORT_KIND = 9  # 0: none; else index into _ERROR_KINDS
+W_ABORT_LEN = 10
+W_NFLAGS = 11  # flag words this segment holds
+W_DATA_PAGES = 12  # data capacity in 4 KiB pages
+W_MAPPED = 16  # W_MAPPED + r: generation of rank r's segment this rank has mapped
+CONTROL_WORDS = 16  # + nranks
+
+STATE_OPEN = 1
+STATE_CLOSED = 2
+STATE_ABORTED = 3
+
+META_BYTES = 65536  # per slot: collective metadata, or a small allgather_object payload
+REASON_BYTES = 2048
+
+MAGIC = 0xB1E4C0DE
+_ERROR_KINDS: tuple[type[BlinkError], ...] = (BlinkError, BlinkInternalError, MismatchError, BlinkTimeoutError)
+
+# Waiting: spin this many loads first (a peer on another core is often just
+# about to post), then sleep on the word in slices of _SLICE seconds, after
+# each of which the peers are checked for death, abort or close.
+_SPIN = 64
+_SLICE = 0.05
+
+
+@dataclass
+class WaitContext:
+    """What a wait belongs to, for its messages and its deadline.
+
+    ``label`` names the collective ("allreduce 'grad.w' (collective 12)");
+    ``deadline`` is a ``time.monotonic()`` instant (the collective's start plus
+    ``timeout``); ``stall`` is the period of the stall warnings.
+    """
+
+    label: str
+    deadline: float
+    timeout: float
+    stall: float
+
+    @classmethod
+    def start(cls, label: str, timeout: float, stall: float) -> "WaitContext":
+        return cls(label, time.monotonic() + timeout, timeout, stall)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this host) is alive; a zombie counts as dead.
+
+    A killed rank stays a zombie until its parent reaps it, and ``kill(pid, 0)``
+    still succeeds on a zombie, so on Linux ``/proc/PID/stat`` is read as well.
+    """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    if sys.platform.startswith("linux"):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            return False
+        state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+        return state not in (b"Z", b"X")
+    return True
+
+
+class Transport(ABC):
+    """One rank's view of the server's shared buffers, flags and metadata slots."""
+
+    rank: int
+    nranks: int
+
+    def __init__(self, rank: int, nranks: int) -> None:
+        self.rank = rank
+        self.nranks = nranks
+        self.flag_base = CONTROL_WORDS + nranks
+        self._closed = False
+
+    # -- primitives (per implementation) ------------------------------------
+    @abstractmethod
+    def load(self, rank: int, word: int) -> int:
+        """Current value of word ``word`` of rank ``rank``."""
+
+    @abstractmethod
+    def store(self, word: int, value: int) -> None:
+        """Set an own word and wake whoever sleeps on it."""
+
+    @abstractmethod
+    def block(self, rank: int, word: int, seen: int, timeout: float) -> None:
+        """Sleep until rank's word may differ from ``seen`` (or ``timeout`` s pass)."""
+
+    @abstractmethod
+    def write_region(self, region: str, data: bytes) -> None:
+        """Write an own byte region: ``meta0``, ``meta1`` or ``reason``."""
+
+    @abstractmethod
+    def read_region(self, rank: int, region: str, length: int) -> bytes:
+        """Read ``length`` bytes of a peer's byte region."""
+
+    @abstractmethod
+    def peer_alive(self, rank: int) -> bool:
+        """Whether rank's process (thread, for loopback) still runs."""
+
+    @abstractmethod
+    def peer_pid(self, rank: int) -> int:
+        """Process id of rank (for messages)."""
+
+    @abstractmethod
+    def data(self, rank: int) -> np.ndarray:
+        """Rank's data buffer as uint8 (own: writable; peers: read them only)."""
+
+    @abstractmethod
+    def data_capacity(self) -> int:
+        """Bytes of every rank's data buffer (the same on all ranks)."""
+
+    @abstractmethod
+    def flag_capacity(self) -> int:
+        """Program flags every rank's segment holds."""
+
+    @abstractmethod
+    def reserve(self, data_bytes: int, nflags: int, ctx: WaitContext) -> bool:
+        """Collective: make every buffer hold ``data_bytes`` and ``nflags`` flags.
+
+        Every rank calls it at the same point with the same arguments.  Returns
+        True when the buffers were replaced (views of the old ones are stale).
+        """
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Free this rank's resources (called once, by :meth:`close`)."""
+
+    # -- what the executor uses ---------------------------------------------
+    def post(self, flag: int, epoch: int) -> None:
+        """``flags[flag] = epoch``: the ops this post covers are done."""
+        self.store(self.flag_base + flag, epoch)
+
+    def wait_flag(self, peer: int, flag: int, epoch: int, ctx: WaitContext) -> None:
+        """Wait until ``flags_peer[flag] >= epoch``."""
+        word = self.flag_base + flag
+        if self.load(peer, word) >= epoch:  # the common case: no call below
+            return
+        self.wait_words((peer,), word, epoch, ctx, f"flag {flag}")
+
+    def post_done(self, epoch: int) -> None:
+        self.store(W_DONE, epoch)
+
+    def wait_done(self, peers: Sequence[int], epoch: int, ctx: WaitContext) -> None:
+        """Wait until every peer finished reading for ``epoch`` (buffer reuse)."""
+        self.wait_words(peers, W_DONE, epoch, ctx, "done")
+
+    def exchange_meta(self, seq: int, payload: bytes, ctx: WaitContext) -> list[bytes]:
+        """Post this rank's metadata of collective ``seq``; return every rank's.
+
+        Two slots alternate, so a rank one collective ahead never overwrites a
+        slot a peer may still read (it cannot be two ahead: collective seq+1
+        needs every rank's metadata of seq+1, posted after it finished seq).
+        """
+        if len(payload) > META_BYTES:
+            raise BlinkInternalError(f"{ctx.label}: metadata of {len(payload)} bytes exceeds {META_BYTES}")
+        slot = seq & 1
+        self.write_region(f"meta{slot}", payload)
+        self.store(W_META_LEN + slot, len(payload))
+        self.store(W_META_SEQ, seq)
+        peers = [r for r in range(self.nranks) if r != self.rank]
+        self.wait_words(peers, W_META_SEQ, seq, ctx, "metadata")
+        out = []
+        for r in range(self.nranks):
+            if r == self.rank:
+                out.append(payload)
+            else:
+                out.append(self.read_region(r, f"meta{slot}", self.load(r, W_META_LEN + slot)))
+        return out
+
+    def abort(self, exc: BaseException) -> None:
+        """Tell every peer this rank failed, with ``exc``'s message and class."""
+        if self._closed or self.load(self.rank, W_STATE) == STATE_ABORTED:
+            return
+        kind = 0
+        for i, cls in enumerate(_ERROR_KINDS):
+            if isinstance(exc, cls):
+                kind = i
+        reason = str(exc).encode("utf-8", "replace")[:REASON_BYTES]
+        try:
+            self.write_region("reason", reason)
+            self.store(W_ABORT_LEN, len(reason))
+            self.store(W_ABORT_KIND, kind)
+            self.store(W_STATE, STATE_ABORTED)
+        except Exception:  # pragma: no cover - buffers already gone
+            pass
+
+    def close(self) -> None:
+        """Say goodbye to the peers and free this rank's resources (idempotent)."""
+        if self._closed:
+            return
+        try:
+            if self.load(self.rank, W_STATE) == STATE_OPEN:
+                self.store(W_STATE, STATE_CLOSED)
+        except Exception:  # pragma: no cover
+            pass
+        self._closed = True
+        self._release()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- the waiting loop ----------------------------------------------------
+    def wait_words(self, peers: Sequence[int], word: int, value: int, ctx: WaitContext, what: str) -> None:
+        """Wait until ``word`` of every rank in ``peers`` is >= ``value``.
+
+        Raises BlinkTimeoutError at ``ctx.deadline`` naming the rank waited on,
+        BlinkInternalError naming a dead or closed peer we wait for, and a
+        failed peer's own error class with its message.
+        """
+        pending = [p for p in peers if self.load(p, word) < value]
+        for _ in range(_SPIN):
+            if not pending:
+                return
+            pending = [p for p in pending if self.load(p, word) < value]
+        if not pending:
+            return
+        started = time.monotonic()
+        next_check = started + _SLICE
+        next_warn = started + ctx.stall
+        while pending:
+            peer = pending[0]
+            seen = self.load(peer, word)
+            if seen >= value:
+                pending.pop(0)
+                continue
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_peers(pending, ctx, what)
+                next_check = now + _SLICE
+            if now >= ctx.deadline:
+                raise BlinkTimeoutError(
+                    f"{ctx.label}: rank {self.rank} timed out after {ctx.timeout:g} s waiting for rank {peer} "
+                    f"({what}); ranks not arrived: {sorted(pending)} (BLINK_TIMEOUT_SECONDS={ctx.timeout:g})"
+                )
+            if now >= next_warn:
+                log.warning(
+                    "%s: rank %d has waited %.0f s for ranks %s (%s). Missing ranks: %s",
+                    ctx.label, self.rank, now - started, sorted(pending), what, ", ".join(map(str, sorted(pending))),
+                )
+                next_warn = now + ctx.stall
+            self.block(peer, word, seen, max(1e-4, min(_SLICE, ctx.deadline - now, next_warn - now)))
+
+    def check_peers(self, ctx: WaitContext) -> None:
+        """Raise now if a peer has failed (called between collectives too)."""
+        self._check_peers((), ctx, "")
+
+    def _check_peers(self, pending: Sequence[int], ctx: WaitContext, what: str) -> None:
+        for r in range(self.nranks):
+            if r != self.rank and self.load(r, W_STATE) == STATE_ABORTED:
+                kind = self.load(r, W_ABORT_KIND)
+                reason = self.read_region(r, "reason", self.load(r, W_ABORT_LEN)).decode("utf-8", "replace")
+                cls = _ERROR_KINDS[kind] if 0 <= kind < len(_ERROR_KINDS) else BlinkInternalError
+                if cls is BlinkError:
+                    cls = BlinkInternalError
+                if cls in (MismatchError, BlinkTimeoutError):
+                    # The same failure everywhere: re-raise it under its own class.
+                    raise cls(reason)
+                raise BlinkInternalError(f"{ctx.label}: rank {r} failed: {reason}")
+        for r in pending:
+            state = self.load(r, W_STATE)
+            if state == STATE_CLOSED:
+                raise BlinkInternalError(
+                    f"{ctx.label}: rank {r} closed its communicator while rank {self.rank} waits for it ({what}); "
+                    "ranks must issue the same collectives in the same order"
+                )
+            if not self.peer_alive(r):
+                raise BlinkInternalError(
+                    f"{ctx.label}: rank {r} (pid {self.peer_pid(r)}) died; rank {self.rank} was waiting for it ({what})"
+                )
