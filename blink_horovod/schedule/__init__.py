@@ -4,18 +4,21 @@ Never imports MPI, CUDA or a framework (../shared/DESIGN.md).
 """
 
 from .check import check_program, clear_check_cache, describe_op
-from .compile import compile_program, tree_ranges
+from .compile import chunk_count, compile_program, tree_ranges
+from .miad import MiadTuner, tune
 from .program import DONE_FLAG, PROGRAM_KINDS, START_FLAG, Op, Program
+from .replay import replay
 
 __all__ = [
+    "DONE_FLAG",
     "PROGRAM_KINDS",
     "START_FLAG",
-    "DONE_FLAG",
     "Op",
     "Program",
-    "compile_program",
-    "tree_ranges",
     "check_program",
     "clear_check_cache",
+    "compile_program",
     "describe_op",
+    "tree_ranges",
+    "chunk_count",
 ]

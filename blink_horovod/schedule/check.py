@@ -60,7 +60,7 @@ __all__ = ["check_program", "clear_check_cache", "describe_op"]
 
 _CACHE_MAX = 128
 _lock = threading.Lock()
-_by_value: "OrderedDict[tuple[Program, Plan | None], None]" = OrderedDict()
+_by_value: OrderedDict[tuple[Program, Plan | None], None] = OrderedDict()
 _by_id: dict[tuple[int, int], Any] = {}
 
 
@@ -114,7 +114,7 @@ def check_program(program: Program, plan: Plan | None = None) -> None:
     id_key = (id(program), id(plan))
     with _lock:
         hit = _by_id.get(id_key)
-        if hit is not None and hit[0]() is program and hit[1]() is (plan if plan is None else plan):
+        if hit is not None and hit[0]() is program and hit[1]() is plan:
             return
         value_key = (program, plan)
         try:

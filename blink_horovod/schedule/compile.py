@@ -37,13 +37,13 @@ different plans agree on the ranges of the cross-server stage.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import ScheduleError
 from ..planner.plan import CHANNELS, Plan, Tree
 from .program import DONE_FLAG, PROGRAM_KINDS, START_FLAG, Op, Program
 
-__all__ = ["compile_program", "tree_ranges", "FRACTION_EPS"]
+__all__ = ["FRACTION_EPS", "chunk_count", "compile_program", "tree_ranges"]
 
 # Trees whose fraction is at most this carry no bytes (the plan's own tolerance).
 FRACTION_EPS = 1e-9
@@ -93,7 +93,7 @@ def tree_ranges(plan: Plan, count: int) -> tuple[list[tuple[int, int]], list[tup
             if f == 0:
                 out[i] = (pos, pos)
                 continue
-            hi = count if i == carrying[-1] else min(count, max(pos, int(round(count * math.fsum(fracs[: i + 1]) / total))))
+            hi = count if i == carrying[-1] else min(count, max(pos, round(count * math.fsum(fracs[: i + 1]) / total)))
             out[i] = (pos, hi)
             pos = hi
         root = rank_of.get(plan.root, 0) if plan.root is not None else 0
@@ -127,7 +127,7 @@ def tree_ranges(plan: Plan, count: int) -> tuple[list[tuple[int, int]], list[tup
         total = math.fsum(fr)
         pos = lo
         for k, t in enumerate(members):
-            end = hi if k == len(members) - 1 else max(pos, min(hi, lo + int(round((hi - lo) * math.fsum(fr[: k + 1]) / total))))
+            end = hi if k == len(members) - 1 else max(pos, min(hi, lo + round((hi - lo) * math.fsum(fr[: k + 1]) / total)))
             out[t] = (pos, end)
             pos = end
     # Trees without bytes get an empty range at the position of the tree before them.
@@ -143,7 +143,7 @@ def tree_ranges(plan: Plan, count: int) -> tuple[list[tuple[int, int]], list[tup
 class _Shape:
     """A tree in rank indices: parent, children (ascending height), height, depth, orders."""
 
-    __slots__ = ("root", "parent", "children", "height", "depth", "postorder", "preorder")
+    __slots__ = ("children", "depth", "height", "parent", "postorder", "preorder", "root")
 
     def __init__(self, tree: Tree, rank_of: dict[int, int], where: str) -> None:
         try:
@@ -183,7 +183,7 @@ class _Rank:
     """Op records of one rank before sorting: [step, seq, kind, peer, flag, offset, count,
     tree, chunk, lane_key, channel, after_seqs]."""
 
-    __slots__ = ("recs", "next_flag", "needs_start")
+    __slots__ = ("needs_start", "next_flag", "recs")
 
     def __init__(self) -> None:
         self.recs: list[list] = []
@@ -251,9 +251,12 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
 
     for t, tree in enumerate(plan.trees):
         lo, hi = ranges[t]
-        if hi <= lo or not tree.edges:
+        if hi <= lo or n == 1:
             continue
         shape = _Shape(tree, rank_of, f"plan.trees[{t}]")
+        if len(shape.preorder) != n:
+            missing = sorted(set(plan.gpus) - {plan.gpus[v] for v in shape.preorder})
+            raise ScheduleError(f"plan.trees[{t}]: carries elements [{lo}, {hi}) but does not reach GPUs {missing}")
         ch = tree.channel
         height, depth, parent, children = shape.height, shape.depth, shape.parent, shape.children
         root = shape.root
@@ -342,8 +345,7 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
             # Chunk posts keep the chunk's region (informational, for traces).
             ops.append(Op(okind, peer, flag, a, m, t, c, step, lane, ch, after))
             last_in_lane[lane] = i
-            if step > max_step:
-                max_step = step
+            max_step = max(max_step, step)
         has_reads = any(op.kind != "post" for op in ops)
         if has_reads:
             last_step = ops[-1].step

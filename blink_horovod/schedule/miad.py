@@ -30,7 +30,7 @@ Sizes are kept within ``[min_bytes, max_bytes]`` and to multiples of
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import ConfigError
 

@@ -45,10 +45,11 @@ final) and are posted exactly once per epoch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Literal
 
-__all__ = ["OpKind", "Op", "Program", "PROGRAM_KINDS", "START_FLAG", "DONE_FLAG"]
+__all__ = ["DONE_FLAG", "PROGRAM_KINDS", "START_FLAG", "Op", "OpKind", "Program"]
 
 OpKind = Literal["post", "copy", "reduce"]
 

@@ -12,14 +12,14 @@ compared with.  Pure numpy: no processes, no shared memory.
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..errors import ScheduleError
 from .program import Program
 
-__all__ = ["replay", "REDUCE_OPS"]
+__all__ = ["REDUCE_OPS", "replay"]
 
 REDUCE_OPS = {
     "sum": np.add,

@@ -10,7 +10,15 @@ from test_schedule_plans import allreduce_plan, broadcast_plan, sample_plans
 
 from blink_horovod.errors import ScheduleError
 from blink_horovod.planner.plan import Plan, Tree
-from blink_horovod.schedule import DONE_FLAG, START_FLAG, Op, Program, check_program, clear_check_cache, compile_program
+from blink_horovod.schedule import (
+    DONE_FLAG,
+    START_FLAG,
+    Op,
+    Program,
+    check_program,
+    clear_check_cache,
+    compile_program,
+)
 from blink_horovod.topology.machines import resolve
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,6 +7,7 @@ symbolically by ``check_program``.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 
@@ -16,7 +17,13 @@ from test_schedule_plans import allreduce_plan, broadcast_plan, sample_plans
 
 from blink_horovod.errors import ScheduleError
 from blink_horovod.planner.plan import Plan, Tree
-from blink_horovod.schedule import DONE_FLAG, START_FLAG, check_program, compile_program, tree_ranges
+from blink_horovod.schedule import (
+    DONE_FLAG,
+    START_FLAG,
+    check_program,
+    compile_program,
+    tree_ranges,
+)
 from blink_horovod.schedule.replay import replay
 from blink_horovod.topology.machines import resolve
 
@@ -94,7 +101,7 @@ def test_allreduce_segments_are_exactly_the_ith_nth(count: int) -> None:
 
 def test_trees_of_a_root_split_its_segment_by_fraction() -> None:
     # Root 0 has trees of 1/8 and 3/8 of the bytes: its half splits 1:3.
-    t = lambda root, f: Tree(root, f, ((0, 1),) if root == 0 else ((1, 0),))  # noqa: E731
+    t = lambda root, f: Tree(root, f, ((0, 1),) if root == 0 else ((1, 0),))
     plan = Plan("allreduce", "custom", (0, 1), None, (t(0, 0.125), t(0, 0.375), t(1, 0.5)), 1.0, 1.0)
     ranges, segs = tree_ranges(plan, 1001)
     assert segs == [(0, 500), (500, 1001)]
@@ -178,7 +185,7 @@ def test_pcie_trees_move_on_their_own_channel_and_lanes() -> None:
     plan = broadcast_plan(resolve("dgx1v"), root=2, k=3, seed=11, pcie=True)
     prog = compile_program(plan, 5000, 128)
     check_program(prog, plan)
-    pcie_tree = [t for t, tr in enumerate(plan.trees) if tr.channel == "pcie"][0]
+    pcie_tree = next(t for t, tr in enumerate(plan.trees) if tr.channel == "pcie")
     for r, ops in enumerate(prog.ranks):
         nv = {op.stream for op in ops if op.kind != "post" and op.channel == "nvlink"}
         pc = {op.stream for op in ops if op.kind != "post" and op.channel == "pcie"}
@@ -214,7 +221,7 @@ def test_writes_to_one_region_are_serialized_across_lanes() -> None:
     for c in range(3):
         red = [i for i, op in enumerate(ops) if op.kind == "reduce" and op.chunk == c]
         assert len({ops[i].stream for i in red}) == 3
-        for a, b in zip(red, red[1:]):
+        for a, b in itertools.pairwise(red):
             assert a in ops[b].after  # the next reduce into the chunk waits for the previous one
 
 

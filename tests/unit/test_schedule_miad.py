@@ -136,5 +136,5 @@ def test_bad_observations_and_iterations() -> None:
         t.observe(0, 1.0)
     with pytest.raises(ConfigError, match="max_iters"):
         tune(lambda x: 1.0, max_iters=0)
-    best, hist = tune(lambda x: float(x), max_iters=3)
+    _, hist = tune(lambda x: float(x), max_iters=3)
     assert len(hist) == 3
