@@ -21,4 +21,7 @@ __all__ = [
     "describe_op",
     "tree_ranges",
     "chunk_count",
+    "MiadTuner",
+    "tune",
+    "replay",
 ]
