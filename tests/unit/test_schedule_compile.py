@@ -297,3 +297,48 @@ def test_compile_is_fast_and_linear_in_ops() -> None:
     # Per chunk of a tree on n ranks: n-1 reduces, n-1 copies and < 2n posts.
     assert 2 * 7 * chunks <= prog.num_ops() <= (2 * 7 + 16) * chunks + 16
     assert dt < 5.0, f"compile took {dt:.2f} s"
+
+
+# -- property: any valid plan, any size, any chunk: the checker passes and the numbers agree --------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def random_plans(draw):
+    n = draw(st.integers(1, 6))
+    gpus = tuple(draw(st.permutations(range(8)))[:n])
+    collective = draw(st.sampled_from(["allreduce", "broadcast"]))
+
+    def tree(root):
+        order = [root] + [g for g in draw(st.permutations(gpus)) if g != root]
+        edges = tuple((order[draw(st.integers(0, i - 1))], order[i]) for i in range(1, n))
+        return edges
+
+    channel = lambda: draw(st.sampled_from(["nvlink", "nvlink", "pcie"]))  # noqa: E731
+    trees = []
+    if collective == "allreduce":
+        for g in gpus:
+            k = draw(st.integers(1, 3))
+            ws = [draw(st.floats(0.1, 1.0)) for _ in range(k)]
+            trees += [Tree(g, w / sum(ws) / n, tree(g), channel()) for w in ws]
+        root = None
+    else:
+        root = draw(st.sampled_from(gpus))
+        k = draw(st.integers(1, 4))
+        ws = [draw(st.floats(0.0, 1.0)) for _ in range(k - 1)] + [1.0]
+        trees = [Tree(root, w / sum(ws), tree(root), channel()) for w in ws]
+    return Plan(collective, "custom", gpus, root, tuple(trees), 1.0, 1.0)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=random_plans(), count=st.integers(0, 300), chunk=st.integers(1, 64), kind=st.sampled_from(["allreduce", "reduce", "broadcast", None]), seed=st.integers(0, 99))
+def test_property_any_plan_checks_and_replays_exactly(plan: Plan, count: int, chunk: int, kind, seed: int) -> None:
+    prog = compile_program(plan, count, chunk, kind)
+    check_program(prog, plan)
+    rng = np.random.default_rng(seed)
+    inputs = [rng.integers(-50, 50, count).astype(np.float64) for _ in range(plan.n)]
+    out = replay(prog, inputs, seed=seed)
+    for r, lo, hi, want in expected(plan, prog, inputs, prog.kind):
+        np.testing.assert_array_equal(out[r][lo:hi], want[lo:hi])
