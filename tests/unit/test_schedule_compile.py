@@ -13,6 +13,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_schedule_plans import allreduce_plan, broadcast_plan, sample_plans
 
 from blink_horovod.errors import ScheduleError
@@ -301,8 +303,6 @@ def test_compile_is_fast_and_linear_in_ops() -> None:
 
 # -- property: any valid plan, any size, any chunk: the checker passes and the numbers agree --------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 
 @st.composite
@@ -316,7 +316,7 @@ def random_plans(draw):
         edges = tuple((order[draw(st.integers(0, i - 1))], order[i]) for i in range(1, n))
         return edges
 
-    channel = lambda: draw(st.sampled_from(["nvlink", "nvlink", "pcie"]))  # noqa: E731
+    channel = lambda: draw(st.sampled_from(["nvlink", "nvlink", "pcie"]))
     trees = []
     if collective == "allreduce":
         for g in gpus:
