@@ -276,11 +276,17 @@ class _Checker:
         ready: list[tuple[int, int, int]] = []
         self.waits_on: dict[tuple[int, int], tuple[int, int]] = {}
         unposted: dict[tuple[int, int], tuple[int, int]] = {}
+        # How many later ops still need an op's vector clock (its `after` users and
+        # waiters); clocks are dropped once used, so memory follows the pipeline's
+        # width, not the program's length.
+        vc_refs: dict[tuple[int, int], int] = {}
         for r, ops in enumerate(ranks):
             last_of_lane: dict[int, int] = {}
             row = []
             for i, op in enumerate(ops):
                 deps = set(op.after)
+                for j in deps:
+                    vc_refs[(r, j)] = vc_refs.get((r, j), 0) + 1
                 prev = last_of_lane.get(op.stream)
                 if prev is not None:
                     deps.add(prev)
@@ -295,6 +301,7 @@ class _Checker:
                         cnt += 1  # never satisfied
                     else:
                         self.waits_on[(r, i)] = (op.peer, src)
+                        vc_refs[(op.peer, src)] = vc_refs.get((op.peer, src), 0) + 1
                         succ.setdefault((op.peer, src), []).append((r, i))
                         cnt += 1
                 row.append(cnt)
@@ -321,9 +328,10 @@ class _Checker:
         lane_of: dict[tuple[int, int], int] = {}
         counters = [0] * nl
         lane_last_vc: dict[int, np.ndarray] = {}
+        done_vc: dict[int, np.ndarray] = {}
         base_vc = []
         for r in range(n):
-            v = np.zeros(nl, dtype=np.int64)
+            v = np.zeros(nl, dtype=np.int32)
             v[input_lane[r]] = 1
             base_vc.append(v)
 
@@ -343,18 +351,25 @@ class _Checker:
             key = (r, i)
             op = ranks[r][i]
             # Vector clock: join of the predecessors, then tick this op's lane.
-            vc = base_vc[r].copy()
-            for j in op.after:
-                np.maximum(vc, vcs[(r, j)], out=vc)
             ln = lane_base[r] + op.stream
-            if counters[ln]:
-                # the lane predecessor is the last op executed on this lane
-                np.maximum(vc, lane_last_vc[ln], out=vc)
+            # the lane predecessor is the last op executed on this lane
+            vc = lane_last_vc[ln].copy() if counters[ln] else base_vc[r].copy()
+            preds = [(r, j) for j in op.after]
             if op.kind != "post":
-                np.maximum(vc, vcs[self.waits_on[key]], out=vc)
+                preds.append(self.waits_on[key])
+            for pk in preds:
+                np.maximum(vc, vcs[pk], out=vc)
+                left = vc_refs[pk] - 1
+                if left:
+                    vc_refs[pk] = left
+                else:
+                    del vc_refs[pk], vcs[pk]
             counters[ln] += 1
             vc[ln] = counters[ln]
-            vcs[key] = vc
+            if key in vc_refs:
+                vcs[key] = vc
+            if op.kind == "post" and op.flag == DONE_FLAG:
+                done_vc[r] = vc
             lane_of[key] = ln
             lane_cnt[key] = counters[ln]
             lane_last_vc[ln] = vc
@@ -413,7 +428,7 @@ class _Checker:
         if done != total_ops:
             self.fail_deadlock(pending, unposted)
         self.check_steps()
-        self.check_done(vcs, lane_of, lane_cnt)
+        self.check_done(done_vc, lane_of, lane_cnt)
         self.check_result(value)
 
     def region(self, x: int) -> str:
@@ -462,7 +477,7 @@ class _Checker:
                 )
 
     # -- 6. done --------------------------------------------------------------
-    def check_done(self, vcs: dict[tuple[int, int], np.ndarray], lane_of: dict, lane_cnt: dict) -> None:
+    def check_done(self, done_vc: dict[int, np.ndarray], lane_of: dict, lane_cnt: dict) -> None:
         for r, ops in enumerate(self.p.ranks):
             reads = [i for i, op in enumerate(ops) if op.kind != "post"]
             if not reads:
@@ -470,7 +485,7 @@ class _Checker:
             d = self.poster.get((r, DONE_FLAG))
             if d is None:
                 self.fail(f"rank {r} reads peers but never posts DONE_FLAG ({DONE_FLAG}), which the next epoch waits for")
-            dvc = vcs[(r, d)]
+            dvc = done_vc[r]
             for i in reads:
                 if dvc[lane_of[(r, i)]] < lane_cnt[(r, i)]:
                     self.fail(
