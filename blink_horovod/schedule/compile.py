@@ -213,7 +213,9 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
     -------
     Program
         ``meta`` holds ``tree_ranges``, ``steps`` (one more than the largest
-        step), ``start_flag``/``done_flag`` and ``plan_collective``.
+        step), ``start_flag``/``done_flag``, ``plan_collective``, ``gpus`` and
+        ``lanes`` (``lanes[r][s]``: the ``(channel, peer rank)`` link whose
+        transfers lane s of rank r carries).
 
     Raises
     ------
@@ -317,6 +319,7 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
                     seq += 1
 
     out_ranks: list[tuple[Op, ...]] = []
+    lanes_meta: list[tuple[tuple[str, int], ...]] = []
     nflags: list[int] = []
     nstreams: list[int] = []
     max_step = 0
@@ -324,12 +327,14 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
         recs = rk.recs
         if not recs and not rk.needs_start:
             out_ranks.append(())
+            lanes_meta.append(())
             nflags.append(0)
             nstreams.append(0)
             continue
         # Lanes: one per incoming link (channel, peer); nvlink before pcie, by peer.
         keys = sorted({rec[9] for rec in recs}, key=lambda k: (CHANNELS.index(k[0]), k[1]))
         lane_of = {k: i for i, k in enumerate(keys)}
+        lanes_meta.append(tuple(keys))
         if rk.needs_start:
             recs.append([0, -1, "post", -1, START_FLAG, 0, 0, -1, -1, None, "nvlink", ()])
         recs.sort(key=lambda rec: (rec[0], rec[1]))
@@ -364,6 +369,8 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
         "plan_collective": plan.collective,
         "gpus": tuple(plan.gpus),
         "channels": tuple(t.channel for t in plan.trees),
+        # lanes[r][s] = (channel, peer rank): the incoming link lane s of rank r serves
+        "lanes": tuple(lanes_meta),
     }
     return Program(
         kind=kind,

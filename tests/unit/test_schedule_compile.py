@@ -342,3 +342,13 @@ def test_property_any_plan_checks_and_replays_exactly(plan: Plan, count: int, ch
     out = replay(prog, inputs, seed=seed)
     for r, lo, hi, want in expected(plan, prog, inputs, prog.kind):
         np.testing.assert_array_equal(out[r][lo:hi], want[lo:hi])
+
+
+def test_meta_lanes_name_the_link_of_every_lane() -> None:
+    plan = broadcast_plan(resolve("dgx1v"), root=2, k=3, seed=11, pcie=True)
+    prog = compile_program(plan, 5000, 128)
+    for r, ops in enumerate(prog.ranks):
+        lanes = prog.meta["lanes"][r]
+        for op in ops:
+            if op.kind != "post":
+                assert lanes[op.stream] == (op.channel, op.peer)
