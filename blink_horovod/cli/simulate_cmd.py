@@ -36,7 +36,7 @@ from ..units import format_size, parse_size
 from .common import load_topology, write_output
 from .plan_cmd import parse_channels
 
-__all__ = ["register", "run", "parse_allocations", "parse_sizes"]
+__all__ = ["parse_allocations", "parse_sizes", "register", "run"]
 
 COLLECTIVE_CHOICES = ("allreduce", "broadcast", "both")
 

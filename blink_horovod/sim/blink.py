@@ -17,8 +17,8 @@ against a full chunk-size sweep in docs/paper/ (figure d).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..errors import ConfigError
 from ..planner.plan import Plan
@@ -27,7 +27,7 @@ from .execute import SimResult, simulate_program
 from .params import DEFAULT_PARAMS, SimParams
 from .resources import ResourceMap
 
-__all__ = ["BlinkEstimate", "simulate_blink", "simulate_plan", "choose_chunk_bytes", "predict_time", "plan_for"]
+__all__ = ["BlinkEstimate", "choose_chunk_bytes", "plan_for", "predict_time", "simulate_blink", "simulate_plan"]
 
 GB = 1e9
 FRACTION_EPS = 1e-9

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from ..errors import ScheduleError
 
-__all__ = ["TaskGraph", "EngineResult", "run"]
+__all__ = ["EngineResult", "TaskGraph", "run"]
 
 _EPS_T = 1e-13  # events this close (seconds) are one instant
 
@@ -40,7 +40,7 @@ _EPS_T = 1e-13  # events this close (seconds) are one instant
 class TaskGraph:
     """Tasks to simulate; build with :meth:`add` and :meth:`signal`."""
 
-    __slots__ = ("latency", "nbytes", "resources", "deps", "waits", "raises", "tags", "nsignals")
+    __slots__ = ("deps", "latency", "nbytes", "nsignals", "raises", "resources", "tags", "waits")
 
     def __init__(self) -> None:
         self.latency: list[float] = []
@@ -173,15 +173,14 @@ def run(graph: TaskGraph, capacity: Sequence[float], t0: float = 0.0) -> EngineR
                     push(heap, (t + lat[i], -1, i))
                     continue
                 phase = 1
-            if phase == 1:
-                if nbytes[i] > 0.0:
-                    rem[i] = nbytes[i]
-                    rate[i] = 0.0
-                    tlast[i] = t
-                    for r in res[i]:
-                        active[r].add(i)
-                        dirty.add(r)
-                    continue
+            if phase == 1 and nbytes[i] > 0.0:
+                rem[i] = nbytes[i]
+                rate[i] = 0.0
+                tlast[i] = t
+                for r in res[i]:
+                    active[r].add(i)
+                    dirty.add(r)
+                continue
             # finished
             finish[i] = t
             finished[i] = 1
@@ -215,7 +214,7 @@ def run(graph: TaskGraph, capacity: Sequence[float], t0: float = 0.0) -> EngineR
                 if new != old:
                     if old > 0.0:
                         left = rem[f] - old * (t - tlast[f])
-                        rem[f] = left if left > 0.0 else 0.0
+                        rem[f] = max(0.0, left)
                     tlast[f] = t
                     rate[f] = new
                     v = ver[f] + 1

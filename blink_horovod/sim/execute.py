@@ -20,8 +20,8 @@ fluid engine (engine.py):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from ..errors import ScheduleError
 from ..schedule.program import Program
@@ -30,7 +30,7 @@ from .engine import TaskGraph, run
 from .params import DEFAULT_PARAMS, SimParams
 from .resources import ResourceMap
 
-__all__ = ["SimResult", "simulate_program", "program_task_graph"]
+__all__ = ["SimResult", "program_task_graph", "simulate_program"]
 
 
 @dataclass

@@ -44,8 +44,8 @@ factors (params.py), and NCCL's choice of the cheapest.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -55,15 +55,15 @@ from .params import DEFAULT_PARAMS, SimParams
 from .resources import ResourceMap
 
 __all__ = [
-    "RingSet",
     "NcclEstimate",
+    "RingSet",
+    "dbt_depth",
     "hamiltonian_cycles",
-    "nvlink_rings",
-    "pcie_rings",
+    "nccl_estimate",
     "nccl_rings",
     "nccl_time",
-    "nccl_estimate",
-    "dbt_depth",
+    "nvlink_rings",
+    "pcie_rings",
 ]
 
 GB = 1e9
@@ -174,7 +174,7 @@ def _max_rings(cycles: list[tuple[int, ...]], usages: list[dict[int, int]], unit
     )
     if sol.x is None:
         return [0] * len(cycles)
-    return [int(round(x)) for x in sol.x]
+    return [round(x) for x in sol.x]
 
 
 def _greedy_rings(gpus: Sequence[int], rmap: ResourceMap, units: dict[int, int], cap: int) -> list[tuple[int, ...]]:
@@ -237,7 +237,7 @@ def nvlink_rings(topology: Topology, params: SimParams = DEFAULT_PARAMS) -> Ring
             speeds.add(round(c / k, 9))
     best: tuple[float, float, list[tuple[int, ...]]] | None = None
     for speed in sorted(speeds, reverse=True):
-        units = {r: int(math.floor(rmap.capacity[r] / GB / speed + 1e-9)) for r in used}
+        units = {r: math.floor(rmap.capacity[r] / GB / speed + 1e-9) for r in used}
         if cycles is not None:
             counts = _max_rings(cycles, usages, units, cap_channels)
             rings = [c for c, k in zip(cycles, counts) for _ in range(k)]

@@ -27,12 +27,13 @@ gives its source:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["SimParams", "NcclParams", "DEFAULT_PARAMS"]
+__all__ = ["DEFAULT_PARAMS", "NcclParams", "SimParams"]
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class SimParams:
         """The GPU's reduction rate: HBM bandwidth over the two bytes it moves per byte."""
         return self.hbm_gbps / 2.0
 
-    def with_(self, **changes: Any) -> "SimParams":
+    def with_(self, **changes: Any) -> SimParams:
         """A copy with ``changes`` applied (validated)."""
         return replace(self, **changes)
 
@@ -139,7 +140,7 @@ class SimParams:
         return out
 
     @classmethod
-    def zero_cost(cls) -> "SimParams":
+    def zero_cost(cls) -> SimParams:
         """No fixed costs at all: the pure bandwidth model (tests, bounds)."""
         return cls(launch_s=0.0, copy_s=0.0, reduce_extra_s=0.0, post_s=0.0, pcie_switch_s=0.0, hbm_gbps=1e12)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Self, TextIO
 
 __all__ = ["Progress"]
 
@@ -28,7 +28,7 @@ class Progress:
         self._next_line = 0
         self._last_len = 0
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -36,7 +36,7 @@ class Progress:
 
     def _line(self, label: str) -> str:
         frac = self.done / self.total if self.total else 1.0
-        filled = int(round(frac * self.width))
+        filled = round(frac * self.width)
         elapsed = time.monotonic() - self.start
         left = elapsed / self.done * (self.total - self.done) if self.done else 0.0
         head = f"{self.title} " if self.title else ""

@@ -26,7 +26,7 @@ from .nccl import RingSet, nccl_estimate, nccl_rings
 from .params import DEFAULT_PARAMS, SimParams
 from .progress import Progress
 
-__all__ = ["Row", "SweepResult", "gpu_subsets", "nvlink_connected", "compare", "sweep", "geomean"]
+__all__ = ["Row", "SweepResult", "compare", "geomean", "gpu_subsets", "nvlink_connected", "sweep"]
 
 COLLECTIVES = ("allreduce", "broadcast")
 

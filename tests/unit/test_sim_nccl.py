@@ -6,7 +6,13 @@ import itertools
 
 import pytest
 
-from blink_horovod.sim.nccl import dbt_depth, hamiltonian_cycles, nccl_estimate, nccl_rings, nvlink_rings
+from blink_horovod.sim.nccl import (
+    dbt_depth,
+    hamiltonian_cycles,
+    nccl_estimate,
+    nccl_rings,
+    nvlink_rings,
+)
 from blink_horovod.sim.params import DEFAULT_PARAMS
 from blink_horovod.sim.resources import ResourceMap
 from blink_horovod.topology import resolve

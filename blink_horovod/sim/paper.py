@@ -1,0 +1,517 @@
+"""``make paper``: the paper's evaluation, reproduced in the simulator, as docs/paper/ (markdown + PNG).
+
+Blink (Wang et al., MLSys 2020), section 5, figure by figure; every figure
+states the paper's value and ours side by side:
+
+(a) DGX-1V and DGX-1P, broadcast and allreduce of 1 GB over every allocation
+    NVLink connects: speedup over NCCL per allocation, max and geomean;
+(b) DGX-2, allreduce at small sizes: one-hop trees against NCCL;
+(c) hybrid NVLink + PCIe broadcast: the gain over NVLink alone by GPU count;
+(d) chunk size: a sweep, and MIAD's walk from 1 MB with 2x steps;
+(e) several servers: hierarchical allreduce time against the network bandwidth.
+
+Run ``python -m blink_horovod.sim.paper [--out docs/paper] [--quick] [--jobs N]``.
+``--quick`` uses a few allocations per machine (a smoke test, not the figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..topology import resolve
+from ..units import format_size
+from .blink import choose_chunk_bytes, plan_for, predict_time, simulate_plan
+from .multiserver import hierarchical_allreduce
+from .nccl import dbt_depth, nccl_estimate
+from .params import DEFAULT_PARAMS, SimParams
+from .plots import pyplot
+from .progress import Progress
+from .sweep import Row, geomean, gpu_subsets, nvlink_connected, sweep
+
+__all__ = ["build_paper", "main"]
+
+GiB = 2**30
+MiB = 2**20
+GB = 1e9
+
+
+@dataclass
+class Section:
+    title: str
+    body: list[str] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+    def add(self, *lines: str) -> None:
+        self.body.extend(lines)
+
+    def markdown(self) -> str:
+        return "\n".join([f"## {self.title}", "", *self.body, ""])
+
+
+def _save(fig, out: Path, name: str) -> str:
+    path = out / name
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return name
+
+
+def _fmt_ms(t: float) -> str:
+    return f"{t * 1e3:.3f}"
+
+
+def _alloc(g: Sequence[int]) -> str:
+    return ",".join(map(str, g))
+
+
+# -- (a) ---------------------------------------------------------------------
+
+PAPER_A = {
+    ("dgx1v", "broadcast"): ("up to 6x", "2x"),
+    ("dgx1v", "allreduce"): ("up to 8x", "2x"),
+    ("dgx1p", "broadcast"): ("up to 3x", "1.6x (14 configurations)"),
+    ("dgx1p", "allreduce"): ("not stated", "not stated"),
+}
+
+
+def figure_a(out: Path, machines: Sequence[str], quick: bool, jobs: int, params: SimParams) -> tuple[Section, dict]:
+    plt = pyplot()
+    sec = Section("(a) Every allocation of a DGX-1V and a DGX-1P: speedup over NCCL at 1 GB")
+    sec.add(
+        "All GPU subsets of >= 3 GPUs that NVLink connects (`--channels nvlink`: Blink plans on NVLink alone; "
+        "the NCCL model keeps its PCIe fallback), broadcast from the allocation's first GPU and allreduce, 1 GiB of "
+        "float32, chunk size chosen per allocation (sim/blink.py). Reproduce one machine with:",
+        "",
+        "```",
+        "blink simulate --topology dgx1v --allocations all --collective both --size 1G --channels nvlink --json rows.json --plot a.png",
+        "```",
+        "",
+        "| machine | collective | allocations | paper: max | **ours: max** (allocation) | paper: geomean | **ours: geomean** | NCCL has NVLink rings | geomean where it has / falls back to PCIe |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    )
+    all_rows: dict[str, list[Row]] = {}
+    timings: dict[str, float] = {}
+    for name in machines:
+        topo = resolve(name)
+        allocs = [a for a in gpu_subsets(topo) if nvlink_connected(topo.allocate(a))]
+        if quick:
+            allocs = allocs[:: max(1, len(allocs) // 6)][:6] + [tuple(topo.gpus)]
+        t0 = time.monotonic()
+        res = sweep(topo, allocs, ["allreduce", "broadcast"], [GiB], channels=["nvlink"], params=params, jobs=jobs,
+                    note=lambda m: None)
+        timings[name] = time.monotonic() - t0
+        all_rows[name] = res.rows
+        fig, axes = plt.subplots(2, 1, figsize=(14, 7), sharex=True)
+        for ax, coll in zip(axes, ("broadcast", "allreduce")):
+            rows = [r for r in res.rows if r.collective == coll]
+            xs = range(len(rows))
+            colors = ["tab:blue" if r.nccl_channel == "nvlink" else "tab:orange" for r in rows]
+            ax.bar(xs, [r.speedup for r in rows], color=colors, width=0.85)
+            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+            gm = geomean(r.speedup for r in rows)
+            ax.axhline(gm, color="tab:green", lw=1.0, label=f"ours: geomean {gm:.2f}x, max {max(r.speedup for r in rows):.2f}x")
+            pmax, pgm = PAPER_A[(name, coll)]
+            ax.set_title(f"{name} {coll}, 1 GiB — paper: {pmax}, geomean {pgm}", fontsize=10)
+            ax.set_ylabel("speedup over NCCL")
+            # Group boundaries by GPU count.
+            k_prev, start = None, 0
+            for i, r in enumerate(rows + [None]):
+                k = None if r is None else len(r.gpus)
+                if k != k_prev and k_prev is not None:
+                    ax.axvline(i - 0.5, color="k", lw=0.4)
+                    ax.text((start + i - 1) / 2, ax.get_ylim()[1] * 0.92, f"{k_prev} GPUs", ha="center", fontsize=8)
+                    start = i
+                k_prev = k
+            ax.legend(loc="upper right", fontsize=8, title="blue: NCCL has NVLink rings; orange: PCIe fallback", title_fontsize=7)
+        axes[-1].set_xlabel("allocation (by GPU count, then GPU ids)")
+        png = _save(fig, out, f"a_{name}_speedup.png")
+        plt.close(fig)
+        for coll in ("broadcast", "allreduce"):
+            rows = [r for r in res.rows if r.collective == coll]
+            best = max(rows, key=lambda r: r.speedup)
+            nv = [r.speedup for r in rows if r.nccl_channel == "nvlink"]
+            pc = [r.speedup for r in rows if r.nccl_channel == "pcie"]
+            pmax, pgm = PAPER_A[(name, coll)]
+            sec.add(
+                f"| {name} | {coll} | {len(rows)} | {pmax} | **{best.speedup:.2f}x** ({_alloc(best.gpus)}) | {pgm} | "
+                f"**{geomean(r.speedup for r in rows):.2f}x** | {len(nv)} of {len(rows)} | "
+                f"{geomean(nv):.2f}x / {geomean(pc):.2f}x |"
+            )
+        sec.metrics[f"{name}_png"] = png
+    sec.add("")
+    for name in machines:
+        sec.add(f"![{name}]({sec.metrics[f'{name}_png']})", "")
+    # Speedup by GPU count (DGX-1V).
+    if "dgx1v" in all_rows:
+        rows = all_rows["dgx1v"]
+        sec.add("DGX-1V by GPU count (geomean speedup / allocations where NCCL falls back to PCIe):", "",
+                "| GPUs | allocations | broadcast | allreduce | NCCL PCIe fallback |", "| --- | --- | --- | --- | --- |")
+        for k in sorted({len(r.gpus) for r in rows}):
+            b = [r for r in rows if len(r.gpus) == k and r.collective == "broadcast"]
+            a = [r for r in rows if len(r.gpus) == k and r.collective == "allreduce"]
+            sec.add(f"| {k} | {len(b)} | {geomean(r.speedup for r in b):.2f}x | {geomean(r.speedup for r in a):.2f}x | "
+                    f"{sum(r.nccl_channel == 'pcie' for r in b)} |")
+        sec.add("")
+    return sec, {"rows": all_rows, "timings": timings}
+
+
+# -- acceptance ----------------------------------------------------------------
+
+def acceptance(rows: list[Row], seconds: float, machine: str) -> Section:
+    sec = Section(f"Acceptance: {machine}, 1 GB, `--channels nvlink`, every NVLink-connected allocation")
+    over = [(r.blink_s / r.bound_s - 1.0, r) for r in rows if r.bound_s > 0]
+    lo = min(over, key=lambda x: x[0])
+    hi = max(over, key=lambda x: x[0])
+    below = [r for o, r in over if o < -1e-9]
+    above10 = [r for o, r in over if o > 0.10]
+    gm = {c: geomean(r.speedup for r in rows if r.collective == c) for c in ("allreduce", "broadcast")}
+    ok_bound = not below and not above10
+    sec.add(
+        "| check | required | measured | |",
+        "| --- | --- | --- | --- |",
+        f"| simulated Blink time vs the proven bound `size / optimum_gbps` | never below, at most +10% | "
+        f"min {lo[0] * 100:+.2f}% ({_alloc(lo[1].gpus)} {lo[1].collective}), max {hi[0] * 100:+.2f}% "
+        f"({_alloc(hi[1].gpus)} {hi[1].collective}) over {len(over)} rows | {'pass' if ok_bound else 'FAIL'} |",
+        f"| geomean speedup over the NCCL model, allreduce | >= 1.5x | {gm['allreduce']:.2f}x | {'pass' if gm['allreduce'] >= 1.5 else 'FAIL'} |",
+        f"| geomean speedup over the NCCL model, broadcast | >= 1.5x | {gm['broadcast']:.2f}x | {'pass' if gm['broadcast'] >= 1.5 else 'FAIL'} |",
+        f"| the whole sweep ({len(rows)} simulations, planning included) | <= 180 s | {seconds:.0f} s in this run | {'pass' if seconds <= 180 else 'FAIL'} |",
+        "",
+        "Over-bound distribution (simulated time / bound - 1):",
+        "",
+        "| collective | min | median | max |",
+        "| --- | --- | --- | --- |",
+    )
+    for c in ("broadcast", "allreduce"):
+        v = sorted(o for o, r in over if r.collective == c)
+        if v:
+            sec.add(f"| {c} | {v[0] * 100:+.2f}% | {v[len(v) // 2] * 100:+.2f}% | {v[-1] * 100:+.2f}% |")
+    sec.add("")
+    sec.metrics = {"min_over": lo[0], "max_over": hi[0], "geomean": gm, "seconds": seconds, "rows": len(rows),
+                   "below": len(below), "above10": len(above10)}
+    return sec
+
+
+# -- (b) ---------------------------------------------------------------------
+
+def figure_b(out: Path, quick: bool, params: SimParams) -> Section:
+    plt = pyplot()
+    topo = resolve("dgx2")
+    sec = Section("(b) DGX-2: allreduce at small sizes, one-hop trees against NCCL")
+    plan = plan_for(topo, "allreduce", channels=["nvlink"])
+    depths = sorted({t.depth() for t in plan.trees if t.fraction > 1e-9})
+    sizes = [2**k for k in range(10, 27, 2 if not quick else 4)]  # 1 KiB .. 64 MiB
+    rows = []
+    for s in sizes:
+        est = simulate_plan(plan, topo, s, None, params)
+        nc = nccl_estimate(topo, "allreduce", s, params)
+        dbt = nccl_estimate(topo, "allreduce", s, params, algorithms=("tree",), tree_hops=dbt_depth(topo.n))
+        rows.append((s, est, nc, dbt))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax1.loglog([s for s, *_ in rows], [e.time_s * 1e6 for _, e, _, _ in rows], "o-", label="Blink (simulated)")
+    ax1.loglog([s for s, *_ in rows], [n.time_s * 1e6 for _, _, n, _ in rows], "s-", label="NCCL model (its choice)")
+    ax1.loglog([s for s, *_ in rows], [d.time_s * 1e6 for *_, d in rows], "^--", label="NCCL, idealized double binary tree")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("allreduce size (bytes)")
+    ax1.set_ylabel("time (us)")
+    ax1.legend(fontsize=8)
+    ax1.set_title("DGX-2, 16 GPUs: latency")
+    ax2.semilogx([s for s, *_ in rows], [n.time_s / e.time_s for s, e, n, _ in rows], "o-", label="vs NCCL model")
+    ax2.semilogx([s for s, *_ in rows], [d.time_s / e.time_s for s, e, _, d in rows], "^--", label="vs idealized DBT")
+    ax2.set_xscale("log", base=2)
+    ax2.axhline(1, color="grey", lw=0.8, ls="--")
+    ax2.set_xlabel("allreduce size (bytes)")
+    ax2.set_ylabel("speedup of Blink (time ratio)")
+    ax2.set_title("paper: up to 3.32x lower latency, 3.5x throughput")
+    ax2.legend(fontsize=8)
+    png = _save(fig, out, "b_dgx2_small_allreduce.png")
+    plt.close(fig)
+    best_lat = max(rows, key=lambda x: x[2].time_s / x[1].time_s)
+    sec.add(
+        f"16 GPUs on one NVSwitch, allreduce from 1 KiB to 64 MiB. The planner's plan has {len(plan.trees)} trees of depth "
+        f"{'/'.join(map(str, depths))} (one hop: every GPU roots its 1/16 and reaches every other GPU through the switch). "
+        "NCCL is modelled by its own cost model (ring or tree, LL/LL128/Simple, whichever it predicts fastest; within a "
+        "server NCCL's tree is a chain); the idealized double binary tree prices NCCL's tree with log2 depth instead.",
+        "",
+        "| | paper | ours |",
+        "| --- | --- | --- |",
+        f"| lower latency than NCCL (best size) | up to 3.32x | {best_lat[2].time_s / best_lat[1].time_s:.2f}x at {format_size(best_lat[0])} "
+        f"(Blink {best_lat[1].time_s * 1e6:.1f} us, NCCL {best_lat[2].time_s * 1e6:.1f} us {best_lat[2].algorithm}/{best_lat[2].protocol}) |",
+        "| higher throughput than NCCL (best size) | 3.5x | same ratio as above (one size: throughput ratio = time ratio) |",
+        "",
+        "| size | Blink (us) | NCCL model (us, choice) | idealized DBT (us) | speedup vs NCCL |",
+        "| --- | --- | --- | --- | --- |",
+    )
+    for s, e, n, d in rows:
+        sec.add(f"| {format_size(s)} | {e.time_s * 1e6:.1f} | {n.time_s * 1e6:.1f} ({n.algorithm}/{n.protocol}) | {d.time_s * 1e6:.1f} | {n.time_s / e.time_s:.2f}x |")
+    sec.add("", f"![dgx2]({png})", "")
+    sec.metrics = {"best_latency_ratio": best_lat[2].time_s / best_lat[1].time_s}
+    return sec
+
+
+# -- (c) ---------------------------------------------------------------------
+
+def figure_c(out: Path, nvlink_rows: list[Row], quick: bool, params: SimParams) -> Section:
+    plt = pyplot()
+    topo = resolve("dgx1v")
+    sec = Section("(c) Hybrid NVLink + PCIe broadcast: the gain over NVLink alone")
+    rows = [r for r in nvlink_rows if r.collective == "broadcast"]
+    gains: dict[int, list[float]] = {}
+    with Progress(len(rows), "hybrid") as bar:
+        for r in rows:
+            sub = topo.allocate(r.gpus)
+            plan = plan_for(sub, "broadcast", root=r.gpus[0], channels=["nvlink", "pcie"])
+            est = simulate_plan(plan, sub, r.size_bytes, None, params)
+            gain = r.size_bytes / est.time_s / GB - r.size_bytes / r.blink_s / GB
+            gains.setdefault(len(r.gpus), []).append(gain)
+            bar.advance(_alloc(r.gpus))
+    ks = sorted(gains)
+    means = [sum(gains[k]) / len(gains[k]) for k in ks]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(ks, means, "o-", label="ours (mean over allocations)")
+    ax.plot([3, 4, 7, 8], [5, 5, 2, 2], "s--", color="grey", label="paper (about)")
+    ax.set_xlabel("GPUs in the allocation")
+    ax.set_ylabel("broadcast throughput gain (GB/s)")
+    ax.set_title("DGX-1V, 1 GiB broadcast: hybrid minus NVLink-only")
+    ax.legend(fontsize=8)
+    png = _save(fig, out, "c_hybrid_gain.png")
+    plt.close(fig)
+    sec.add(
+        "Each NVLink-connected DGX-1V allocation, 1 GiB broadcast from its first GPU, planned on NVLink alone and on "
+        f"NVLink + PCIe (the planner's split, section 3.4); the PCIe channel runs at {topo.pcie.bandwidth_gbps:g} GB/s per GPU "
+        f"and the hybrid program pays the channel switch ({params.pcie_switch_s * 1e6:.0f} us per GPU pair of the PCIe trees, "
+        "params.py) before its first PCIe byte.",
+        "",
+        "| GPUs | allocations | paper: gain | ours: mean gain | ours: min / max |",
+        "| --- | --- | --- | --- | --- |",
+    )
+    paper = {3: "about +5 GB/s", 4: "about +5 GB/s", 7: "about +2 GB/s", 8: "about +2 GB/s"}
+    for k, m in zip(ks, means):
+        sec.add(f"| {k} | {len(gains[k])} | {paper.get(k, '-')} | {m:+.2f} GB/s | {min(gains[k]):+.2f} / {max(gains[k]):+.2f} |")
+    sec.add("", f"![hybrid]({png})", "")
+    sec.metrics = {"mean_gain": dict(zip(ks, means))}
+    return sec
+
+
+# -- (d) ---------------------------------------------------------------------
+
+def figure_d(out: Path, quick: bool, params: SimParams) -> Section:
+    from ..schedule.miad import tune
+
+    plt = pyplot()
+    sec = Section("(d) Chunk size: a sweep, and MIAD from 1 MB with 2x steps")
+    cases = [("dgx1v:0,1,2,3", "broadcast", GiB), ("dgx1v", "allreduce", GiB)]
+    if quick:
+        cases = cases[:1]
+    fig, axes = plt.subplots(1, len(cases), figsize=(6.5 * len(cases), 4.2))
+    if len(cases) == 1:
+        axes = [axes]
+    sec.add(
+        "Throughput (size / simulated time) against the chunk size, and MIAD (blink_horovod.schedule.miad) measuring "
+        "the simulator from 1 MiB with factor 2 and 1 MiB additive decrease.",
+        "",
+        "| case | paper | MIAD iterations | MIAD's chunk | best of the sweep | closed-form choice (sweeps) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    )
+    for ax, (spec, coll, size) in zip(axes, cases):
+        topo = resolve(spec)
+        plan = plan_for(topo, coll, root=topo.gpus[0] if coll == "broadcast" else None, channels=["nvlink"])
+        cache: dict[int, float] = {}
+
+        def throughput(chunk: int, cache=cache, plan=plan, topo=topo, size=size) -> float:
+            if chunk not in cache:
+                cache[chunk] = size / simulate_plan(plan, topo, size, chunk, params).time_s / GB
+            return cache[chunk]
+
+        grid = [2**k for k in range(17, 28)]  # 128 KiB .. 128 MiB
+        curve = [throughput(c) for c in grid]
+        best_c = grid[max(range(len(grid)), key=lambda i: curve[i])]
+        chosen, hist = tune(throughput, start_bytes=MiB, factor=2.0, decrease_bytes=MiB, min_bytes=64 * 1024,
+                            max_bytes=size, align_bytes=4)
+        analytic = choose_chunk_bytes(plan, topo, size, params)
+        ax.semilogx(grid, curve, "o-", label="sweep")
+        ax.set_xscale("log", base=2)
+        for i, (c, tp) in enumerate(hist):
+            ax.annotate(str(i + 1), (c, tp), textcoords="offset points", xytext=(0, 8), fontsize=8, color="tab:red")
+        ax.plot([c for c, _ in hist], [tp for _, tp in hist], "x", color="tab:red", label="MIAD steps (numbered)")
+        ax.axvline(analytic, color="tab:green", ls=":", label=f"closed-form choice {format_size(analytic)}")
+        ax.set_xlabel("chunk size (bytes)")
+        ax.set_ylabel("throughput (GB/s)")
+        ax.set_title(f"{spec} {coll}, {format_size(size)}")
+        ax.legend(fontsize=8)
+        paper = "4-GPU broadcast: stable after 4 iterations from 1 MB, 2x steps" if coll == "broadcast" else "-"
+        sec.add(
+            f"| {spec} {coll} {format_size(size)} | {paper} | {len(hist)} | {format_size(chosen)} ({throughput(chosen):.2f} GB/s) | "
+            f"{format_size(best_c)} ({max(curve):.2f} GB/s) | {format_size(analytic)} ({throughput(analytic):.2f} GB/s) |"
+        )
+        # Where the model puts the best chunk (for the text).
+        sec.metrics[f"{spec}_{coll}"] = {"miad_iters": len(hist), "miad_chunk": chosen, "best": best_c,
+                                         "predict_ms": predict_time(plan, topo, size, best_c, params) * 1e3}
+    png = _save(fig, out, "d_chunk_miad.png")
+    plt.close(fig)
+    sec.add("", f"![chunk]({png})", "")
+    return sec
+
+
+# -- (e) ---------------------------------------------------------------------
+
+def figure_e(out: Path, quick: bool, params: SimParams) -> Section:
+    plt = pyplot()
+    sec = Section("(e) Several servers: hierarchical allreduce against the network bandwidth")
+    specs = ["dgx1v", "dgx1v:0,1,2,3,4,5"]
+    nets = [1.25, 2.5, 5, 10, 25, 50, 100] if not quick else [1.25, 25]
+    servers, size = 4, 256 * MiB
+    fig, axes = plt.subplots(1, len(specs), figsize=(6.5 * len(specs), 4.2))
+    sec.add(
+        f"{servers} identical servers, allreduce of {format_size(size)}: Blink = intra-server reduce (simulated program) + "
+        "network ring + intra-server broadcast (simulated program); NCCL hierarchical = NCCL ring reduce-scatter + the same "
+        "network ring + NCCL ring all-gather; NCCL flat = one ring through every GPU (sim/multiserver.py). Network "
+        "bandwidth per server, one direction, 1.25 GB/s (10 Gb/s) to 100 GB/s (800 Gb/s).",
+        "",
+        "| server | network (GB/s) | Blink (ms) | NCCL hierarchical (ms) | NCCL flat (ms) | speedup vs hierarchical / flat |",
+        "| --- | --- | --- | --- | --- | --- |",
+    )
+    for ax, spec in zip(axes, specs):
+        topo = resolve(spec)
+        plan = plan_for(topo, "allreduce", channels=["nvlink"])
+        res = [hierarchical_allreduce(topo, servers, b, size, params, plan=plan) for b in nets]
+        ax.loglog(nets, [r.blink_s * 1e3 for r in res], "o-", label="Blink hierarchical")
+        ax.loglog(nets, [r.nccl_hier_s * 1e3 for r in res], "s-", label="NCCL hierarchical")
+        ax.loglog(nets, [r.nccl_flat_s * 1e3 for r in res], "^--", label="NCCL flat ring")
+        ax.set_xlabel("network bandwidth per server (GB/s)")
+        ax.set_ylabel("allreduce time (ms)")
+        ax.set_title(f"{servers} x {spec}, {format_size(size)}")
+        ax.legend(fontsize=8)
+        for r in res:
+            sec.add(f"| {spec} | {r.net_gbps:g} | {r.blink_s * 1e3:.2f} | {r.nccl_hier_s * 1e3:.2f} | {r.nccl_flat_s * 1e3:.2f} | "
+                    f"{r.speedup_vs_hier:.2f}x / {r.speedup_vs_flat:.2f}x |")
+    png = _save(fig, out, "e_multiserver.png")
+    plt.close(fig)
+    sec.add(
+        "",
+        "Paper: as the cross-server bandwidth grows, Blink's benefit grows until the servers' NVLinks become the bottleneck. "
+        "Ours: the same shape -- at low network bandwidth the network stage dominates every scheme; as it grows the "
+        "intra-server stages decide, where Blink's trees beat NCCL's rings by the factor of figure (a).",
+        "",
+        f"![multi-server]({png})",
+        "",
+    )
+    return sec
+
+
+# -- the document ----------------------------------------------------------------
+
+def model_section(params: SimParams) -> Section:
+    sec = Section("The model, and how it compares with the paper's testbed")
+    sec.add(
+        "**Simulator** (sim/engine.py, sim/execute.py): discrete-event and flow-level. Every op of every rank's compiled "
+        "program (blink_horovod.schedule.compile_program) is a task; ops of one lane run in order, an op waits for its "
+        "`after` ops and for the peer's flag; then it pays a fixed cost and moves its bytes as a flow over the link "
+        "directions it crosses (a direct NVLink bundle; the two switch ports of a route through an NVSwitch; the GPU's and "
+        "the switch group's PCIe lanes). Concurrent flows share a resource equally; a flow moves at its smallest share. "
+        "Links move bytes at the topology's `bandwidth_gbps`; pipeline fill and drain emerge from the dependencies.",
+        "",
+        "**Costs** (sim/params.py, each with its source):",
+        "",
+        "| parameter | value | source |",
+        "| --- | --- | --- |",
+        f"| launch of one collective | {params.launch_s * 1e6:g} us | CUDA-graph replay, 11-18 us host time for 16-256 nodes (h200-cuda-graph-probe.json) |",
+        f"| fixed cost per chunk copy | {params.copy_s * 1e6:g} us | ~1.9 us per graph node in sequence on one stream (same probe) |",
+        f"| extra per reduction | {params.reduce_extra_s * 1e6:g} us | adds vs copies in the probe; paper A.1.2 (reduction launches) |",
+        f"| flag post | {params.post_s * 1e6:g} us | assumed (a stream write-value node) |",
+        f"| reduction rate | {params.reduce_gbps:g} GB/s | V100 HBM2 {params.hbm_gbps:g} GB/s, 2 bytes of traffic per byte reduced |",
+        f"| PCIe channel switch | {params.pcie_switch_s * 1e6:g} us per GPU pair | assumed; the paper measures the peer-access-disable latency (3.4) but does not print it |",
+        "| PCIe bandwidth | the topology's (12 GB/s on DGX-1) | paper: PCIe 8-12 GB/s |",
+        "| NCCL latencies and protocol factors | NCCL 2.x tuning.cc | base + per-hop latency per algorithm/protocol |",
+        "",
+        "**NCCL model** (sim/nccl.py). Rings: NCCL (>= 2.4, graph/search.cc) searches for as many rings (channels) as it can "
+        "at one per-channel speed, each ring a Hamiltonian cycle whose hops must be NVLink, subtracting the speed from every "
+        "link it crosses; a V100 NVLink carries one channel per direction, a double link two. Only when no NVLink ring "
+        "exists does it relax to PCIe. The model enumerates every directed Hamiltonian cycle over the allocation's NVLink "
+        "pairs and solves an integer program (HiGHS) for the most rings that fit the link counts at each candidate speed, "
+        "keeping the best total, at most 16 channels; with no NVLink ring it takes one ring over PCIe in device order. "
+        "Differences from NCCL, all in NCCL's favour: the integer program finds the maximum where NCCL's search is "
+        "greedy under a time budget; NCCL >= 2.4 can mix NVLink hops and a PCIe hop in one ring, which runs at the PCIe "
+        "speed like the fallback modelled here; NCCL's SHM path between CPU sockets (slower than PCIe) is not modelled; "
+        "link speeds are the topology's 25 GB/s per NVLink2, not NCCL's own 20 GB/s estimate. Times: NCCL's own cost "
+        "model, `latency + bytes / algbw`, for ring and tree and each of LL, LL128, Simple, taking the least, as NCCL "
+        "does. Within one server NCCL's tree is a chain; figure (b) also shows an idealized double binary tree.",
+        "",
+        "**Testbed differences.** The paper measured real V100/P100 machines, where NVLink2 delivered ~22 GB/s of 25 and "
+        "PCIe 8-12 GB/s; the simulator moves bytes at nominal rates (a topology file with measured rates models a real "
+        "machine). The paper's NCCL (2.x of 2019) is modelled by a newer NCCL's search and cost model, with more rings "
+        "where NVLink allows them. So differences in *magnitude* are expected; the *shape* (where NCCL loses: no NVLink "
+        "ring, dropped links) is what the figures test.",
+        "",
+    )
+    return sec
+
+
+def build_paper(out: Path, quick: bool = False, jobs: int = 1, params: SimParams = DEFAULT_PARAMS) -> dict:
+    """Write every figure and docs/paper/README.md under ``out``; return the headline metrics."""
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    sec_a, data = figure_a(out, ["dgx1v", "dgx1p"], quick, jobs, params)
+    acc = acceptance(data["rows"]["dgx1v"], data["timings"]["dgx1v"], "DGX-1V")
+    print("paper: (b) DGX-2 small allreduce", file=sys.stderr)
+    sec_b = figure_b(out, quick, params)
+    print("paper: (c) hybrid broadcast", file=sys.stderr)
+    sec_c = figure_c(out, data["rows"]["dgx1v"], quick, params)
+    print("paper: (d) chunk size and MIAD", file=sys.stderr)
+    sec_d = figure_d(out, quick, params)
+    print("paper: (e) multi-server", file=sys.stderr)
+    sec_e = figure_e(out, quick, params)
+    total = time.monotonic() - started
+    header = [
+        "# Blink's evaluation, reproduced in the simulator",
+        "",
+        (
+            "Generated by `make paper` (`python -m blink_horovod.sim.paper`); do not edit by hand. "
+            f"{'**Quick mode: a few allocations only — not the real figures.** ' if quick else ''}"
+            f"Python {platform.python_version()}, {os.cpu_count()} CPUs, {total:.0f} s in all. Every figure states the "
+            "paper's value (Wang et al., *Blink: Fast and Generic Collectives for Distributed ML*, MLSys 2020) and ours "
+            "side by side. Times are simulated (sim/), not measured on GPUs."
+        ),
+        "",
+    ]
+    doc = "\n".join(header) + "\n" + "\n".join(s.markdown() for s in (acc, sec_a, sec_b, sec_c, sec_d, sec_e, model_section(params)))
+    (out / "README.md").write_text(doc)
+    metrics = {
+        "acceptance": acc.metrics,
+        "dgx2_best_latency_ratio": sec_b.metrics.get("best_latency_ratio"),
+        "hybrid_mean_gain": sec_c.metrics.get("mean_gain"),
+        "chunk": sec_d.metrics,
+        "seconds": total,
+        "timings": data["timings"],
+    }
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, default=str) + "\n")
+    return metrics
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m blink_horovod.sim.paper", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="docs/paper", help="output folder (default docs/paper)")
+    p.add_argument("--quick", action="store_true", help="a few allocations only (smoke test)")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes for the sweeps")
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        print(f"paper: error: --jobs: expected a positive integer, got {args.jobs}", file=sys.stderr)
+        return 2
+    m = build_paper(Path(args.out), quick=args.quick, jobs=args.jobs)
+    acc = m["acceptance"]
+    print(
+        f"paper: wrote {args.out}/README.md; DGX-1V over bound {acc['min_over'] * 100:+.2f}%..{acc['max_over'] * 100:+.2f}%, "
+        f"geomean speedup allreduce {acc['geomean']['allreduce']:.2f}x broadcast {acc['geomean']['broadcast']:.2f}x, "
+        f"sweep {acc['seconds']:.0f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
