@@ -263,8 +263,7 @@ class Communicator:
                 out = []
                 for a in range(0, flat.size, piece):
                     cnt = min(piece, flat.size - a)
-                    runs: list[Run] = [(a, 0, cnt)]
-                    out.append(Piece(self.program(plan, digest, cnt, chunk, "allreduce"), runs, runs))
+                    out.append(Piece(self.program(plan, digest, cnt, chunk, "allreduce"), direct=a))
                 return out
 
             self._run("allreduce", name, arr, flat, dtype, op, None, ("allreduce", None), pieces)
@@ -288,9 +287,8 @@ class Communicator:
                 out = []
                 for a in range(0, flat.size, piece):
                     cnt = min(piece, flat.size - a)
-                    runs: list[Run] = [(a, 0, cnt)]
                     prog = self.program(plan, digest, cnt, chunk, "broadcast")
-                    out.append(Piece(prog, runs if me == root else (), () if me == root else runs))
+                    out.append(Piece(prog, direct=a, has_input=me == root, wants_output=me != root))
                 return out
 
             self._run("broadcast", name, arr, flat, dtype, None, root, ("broadcast", root), pieces)

@@ -37,6 +37,7 @@ __all__ = [
     "canonical_dtype",
     "check_op",
     "reduce_into",
+    "reduce_to",
     "finish_average",
     "bf16_to_f32",
     "f32_to_bf16",
@@ -162,6 +163,14 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: str, dtype: str) -> None:
         dst[...] = f32_to_bf16(result)
         return
     _UFUNC[op](dst, src, out=dst)
+
+
+def reduce_to(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: str, dtype: str) -> None:
+    """``out[...] = op(a, b)``; ``out`` may be ``a`` (in place) or a third array."""
+    if dtype == "bfloat16" and out.dtype == np.uint16:
+        out[...] = f32_to_bf16(_UFUNC[op](bf16_to_f32(a), bf16_to_f32(b)))
+        return
+    _UFUNC[op](a, b, out=out)
 
 
 def finish_average(arr: np.ndarray, n: int, dtype: str) -> None:

@@ -29,17 +29,17 @@ this rank) and leaves the executor unusable, as an aborted NCCL communicator.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import BlinkError, BlinkInternalError
+from ..errors import BlinkInternalError
 from ..schedule.program import Program
 from . import metadata
-from .dtypes import numpy_dtype, reduce_into
+from .dtypes import numpy_dtype, reduce_to
 from .faults import FaultInjector
+from .placement import Placement, place, plain
 from .transport import STATE_ABORTED, W_STATE, Transport, WaitContext
 
 __all__ = ["Run", "Piece", "Executor"]
@@ -47,24 +47,35 @@ __all__ = ["Run", "Piece", "Executor"]
 Run = tuple[int, int, int]  # (offset in the user's array, offset in the buffer, elements)
 
 _COPY, _REDUCE, _POST = 0, 1, 2
+_PLACE = True  # direct placement; False only to measure what it saves
 
 
 @dataclass
 class Piece:
-    """One program execution: which runs of the user's array go in and come out."""
+    """One program execution: which parts of the user's array go in and come out.
+
+    Either ``direct`` is the offset in the user's array of a piece that maps
+    the whole buffer contiguously (allreduce, broadcast): the executor then
+    places values itself (:mod:`blink_horovod.runtime.placement`), told by
+    ``has_input``/``wants_output`` whether this rank contributes an input and
+    receives the result; or ``stage_in``/``stage_out`` list runs copied in
+    before and out after the program (the hierarchical stages).
+    """
 
     program: Program
     stage_in: Sequence[Run] = ()
     stage_out: Sequence[Run] = ()
+    direct: int | None = None
+    has_input: bool = True
+    wants_output: bool = True
 
 
 @dataclass
 class _Lowered:
     program: Program
-    ops: list[tuple[int, int, int, int, int]]  # (kind, peer, flag, start, stop)
+    placement: Placement
     readers: list[int]
     nflags: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Executor:
@@ -119,7 +130,7 @@ class Executor:
             payloads = self.t.exchange_meta(self.seq, metadata.encode(checked, extras), ctx)
             all_extras = metadata.check_agreement(payloads, self.seq)
             pieces = list(build(all_extras))
-            lowered = [self._lower(p.program) for p in pieces]
+            lowered = [self._lower(p) for p in pieces]
             itemsize = numpy_dtype(dtype).itemsize
             need_bytes = max((p.program.count for p in pieces), default=0) * itemsize
             need_flags = max((lw.nflags for lw in lowered), default=0)
@@ -132,12 +143,22 @@ class Executor:
                 self.epoch += 1
                 if prev is not None and prev.readers:
                     self.t.wait_done(prev.readers, self.epoch - 1, ctx)
-                for a, b, n in piece.stage_in:
-                    own[b : b + n] = arr[a : a + n]
-                self._run(lw, views, dtype, op, ctx)
-                self.t.post_done(self.epoch)
-                for a, b, n in piece.stage_out:
-                    arr[a : a + n] = own[b : b + n]
+                pl = lw.placement
+                if piece.direct is not None:
+                    user = arr[piece.direct : piece.direct + lw.program.count]
+                    for a, b in pl.stage_in:
+                        own[a:b] = user[a:b]
+                    self._run(pl, views, user, dtype, op, ctx)
+                    self.t.post_done(self.epoch)
+                    for a, b in pl.stage_out:
+                        user[a:b] = own[a:b]
+                else:
+                    for a, b, n in piece.stage_in:
+                        own[b : b + n] = arr[a : a + n]
+                    self._run(pl, views, own, dtype, op, ctx)
+                    self.t.post_done(self.epoch)
+                    for a, b, n in piece.stage_out:
+                        arr[a : a + n] = own[b : b + n]
                 prev = lw
             return all_extras
         except BaseException as exc:
@@ -156,35 +177,41 @@ class Executor:
             self._views[dtype] = views
         return views
 
-    def _lower(self, program: Program) -> _Lowered:
-        """Per-op tuples of this rank, cached per program (host work O(ops))."""
-        cached = self._lowered.get(id(program))
+    def _lower(self, piece: Piece) -> _Lowered:
+        """This rank's ops with value placements, cached per program (host work O(ops))."""
+        program = piece.program
+        direct = piece.direct is not None and _PLACE
+        key = (id(program), direct, piece.has_input, piece.wants_output)
+        cached = self._lowered.get(key)
         if cached is not None and cached.program is program:
             return cached
         if program.nranks != self.nranks:
             raise BlinkInternalError(f"program for {program.nranks} ranks run on {self.nranks} ranks")
-        ops = []
         for o in program.ranks[self.rank]:
-            if o.kind == "post":
-                ops.append((_POST, -1, o.flag, 0, 0))
-            elif o.kind in ("copy", "reduce"):
+            if o.kind in ("copy", "reduce"):
                 if not 0 <= o.peer < self.nranks or o.peer == self.rank:
                     raise BlinkInternalError(f"program op reads rank {o.peer} on rank {self.rank}")
-                ops.append((_COPY if o.kind == "copy" else _REDUCE, o.peer, o.flag, o.offset, o.offset + o.count))
-            else:
+            elif o.kind != "post":
                 raise BlinkInternalError(f"program op kind {o.kind!r} unknown")
+        if direct:
+            placement = place(program, self.rank, piece.has_input, piece.wants_output)
+        else:
+            placement = plain(program, self.rank, True, True)
         nflags = max(program.nflags) if program.nflags else 0
-        lw = _Lowered(program, ops, sorted(program.readers()[self.rank]), nflags)
+        lw = _Lowered(program, placement, sorted(program.readers()[self.rank]), nflags)
         if len(self._lowered) > 4096:
             self._lowered.clear()
-        self._lowered[id(program)] = lw
+        self._lowered[key] = lw
         return lw
 
-    def _run(self, lw: _Lowered, views: list[np.ndarray], dtype: str, op: str, ctx: WaitContext) -> None:
-        t, epoch, own, faults = self.t, self.epoch, views[self.rank], self.faults
+    def _run(self, pl: Placement, views: list[np.ndarray], user: np.ndarray, dtype: str, op: str,
+             ctx: WaitContext) -> None:
+        """Execute the ops; values live in the own shared buffer or in ``user`` as placed."""
+        t, epoch, faults = self.t, self.epoch, self.faults
+        where = (views[self.rank], user)  # indexed by SHARED (0) / USER (1)
         base = t.flag_base
         load = t.load
-        for kind, peer, flag, start, stop in lw.ops:
+        for kind, peer, flag, start, stop, src_loc, dst_loc in pl.ops:
             if kind == _POST:
                 t.store(base + flag, epoch)
                 continue
@@ -192,11 +219,11 @@ class Executor:
                 t.wait_words((peer,), base + flag, epoch, ctx, f"flag {flag}")
             if faults is not None:
                 faults.before_op()
-            dst = own[start:stop]
+            dst = where[dst_loc][start:stop]
             if kind == _COPY:
                 dst[...] = views[peer][start:stop]
             else:
-                reduce_into(dst, views[peer][start:stop], op, dtype)
+                reduce_to(dst, where[src_loc][start:stop], views[peer][start:stop], op, dtype)
             if faults is not None:
                 faults.after_op(dst)
             self.chunk_ops += 1

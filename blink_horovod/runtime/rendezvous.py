@@ -202,6 +202,21 @@ class FileRendezvous(Rendezvous):
                     os.unlink(self._file(rnd, self.local_rank))
                 except FileNotFoundError:
                     pass
+        # A killed peer cannot remove its own files, and survivors closing at the same
+        # moment each see the others alive: so every rank removes dead peers' files
+        # itself, and whichever rank is last to empty the folder removes it.
+        dead = {f"-rank{r}.pkl" for r, p in enumerate(self._pids or []) if r != self.local_rank and p and not pid_alive(p)}
+        if dead:
+            try:
+                names = os.listdir(self.dir)
+            except OSError:
+                names = []
+            for name in names:
+                if any(name.endswith(d) or (d + ".tmp") in name for d in dead):
+                    try:
+                        os.unlink(os.path.join(self.dir, name))
+                    except OSError:
+                        pass
         try:
             os.rmdir(self.dir)
         except OSError:

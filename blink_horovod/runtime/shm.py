@@ -61,7 +61,7 @@ from .transport import (
     pid_alive,
 )
 
-__all__ = ["ShmTransport", "shm_dir", "segment_name", "linked_segments"]
+__all__ = ["ShmTransport", "shm_dir", "segment_name", "linked_segments", "sweep_stale_segments"]
 
 _PAGE = 4096
 
@@ -95,6 +95,42 @@ def _unlink_quiet(path: str) -> None:
         pass
     with _linked_lock:
         _linked.discard(path)
+
+
+def sweep_stale_segments(directory: str | None = None) -> list[str]:
+    """Unlink ``blink-*`` names whose creator is dead; the names removed.
+
+    A name is linked only until every peer has mapped it, but if *every* rank
+    of a job is killed inside that window nobody is left to unlink it, so each
+    new transport sweeps what dead jobs left: the creator's pid is in the
+    header (``W_PID``, written before ``W_MAGIC``).  A name without a valid
+    header is left alone unless it is older than a minute (its creator died
+    between creating and initialising it).
+    """
+    directory = directory or shm_dir()
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith("blink-")]
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(4 * (W_PID + 1))
+            age = now - os.stat(path).st_mtime
+        except OSError:
+            continue
+        pid = 0
+        if len(head) == 4 * (W_PID + 1):
+            words = np.frombuffer(head, dtype=np.uint32)
+            if int(words[W_MAGIC]) == MAGIC:
+                pid = int(words[W_PID])
+        if (pid and not pid_alive(pid)) or (not pid and age > 60.0):
+            _unlink_quiet(path)
+            removed.append(name)
+    return removed
 
 
 def _unlink_all() -> None:
@@ -218,6 +254,7 @@ class ShmTransport(Transport):
         self._gen = 0
         self._segs: list[_Segment] = []
         data_bytes = -(-max(data_bytes, _PAGE) // _PAGE) * _PAGE
+        sweep_stale_segments(self.dir)
         with _CleanupSignals():
             own = self._create(0, data_bytes, nflags, None)
             try:

@@ -89,6 +89,21 @@ def scenario(name: str, rank: int, n: int, comm: Communicator, args: list[str]) 
         out["seconds"] = time.perf_counter() - t0
         out["wrong"] = int(np.count_nonzero(x != n * (n + 1) / 2))
         return out
+    if name == "bench":
+        count, iters = int(args[0]), int(args[1])
+        x = np.full(count, rank + 1, np.float32)
+        times, cpu = [], []
+        for _ in range(iters):
+            x[...] = rank + 1
+            comm.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            comm.allreduce(x)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        out["times"] = [round(t * 1e6) for t in times]
+        out["cpu"] = [round(t * 1e6) for t in cpu]
+        out["wrong"] = int(np.count_nonzero(x != n * (n + 1) / 2))
+        return out
     raise SystemExit(f"unknown scenario {name}")
 
 
@@ -101,7 +116,7 @@ def main() -> int:
     if os.environ.get("BLINK_TEST_PLANNER") != "real":
         from test_runtime_support import hand_planner
 
-        planner = hand_planner()
+        planner = hand_planner(os.environ.get("BLINK_TEST_SHAPE", "chain"))
     comm = None
     try:
         comm = Communicator(rank, n, None, rdv, cfg, planner=planner)

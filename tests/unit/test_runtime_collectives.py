@@ -1,0 +1,191 @@
+"""The executor and communicator over the loopback transport: exact results for every dtype and op.
+
+Data are small integers, exactly representable in every dtype (nccl-tests'
+idea), so results are compared exactly.  Programs come from the real schedule
+compiler on hand-made chain and star plans (test_runtime_support).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_runtime_support import hand_planner, run_loopback
+
+from blink_horovod.runtime import communicator as communicator_mod
+from blink_horovod.runtime import executor as executor_mod
+from blink_horovod.runtime.communicator import segment_bounds
+from blink_horovod.runtime.dtypes import DTYPES, OPS, numpy_dtype
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def values(rank: int, count: int, dtype: str, op: str, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed * 100 + rank)
+    if op == "product":
+        v = rng.choice([1, 2, 1, 1] if dtype == "uint8" else [1, -1, 2, 1], count)
+    elif op == "average":
+        v = 4 * rng.integers(0 if dtype == "uint8" else -3, 4, count) + 2
+    else:
+        v = rng.integers(0 if dtype == "uint8" else -8, 9, count)
+    return v.astype(numpy_dtype(dtype)) if dtype != "bfloat16" else v.astype(np.float32).astype(numpy_dtype(dtype))
+
+
+def expected(n: int, count: int, dtype: str, op: str, seed: int = 0) -> np.ndarray:
+    xs = [values(r, count, dtype, op, seed).astype(np.float64) for r in range(n)]
+    if op in ("sum", "average"):
+        out = np.sum(xs, axis=0)
+        return out / n if op == "average" else out
+    return {"min": np.minimum, "max": np.maximum, "product": np.multiply}[op].reduce(xs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_allreduce_every_dtype_and_op(dtype: str, op: str) -> None:
+    n, count = 4, 1031
+
+    def body(r, comm):
+        x = values(r, count, dtype, op)
+        comm.allreduce(x, op, name="x")
+        return x.astype(np.float64)
+
+    env = {"BLINK_CHUNK_BYTES": "256"}
+    for out in run_loopback(n, body, env=env):
+        np.testing.assert_array_equal(out, expected(n, count, dtype, op))
+
+
+@pytest.mark.parametrize("shape", ["chain", "star"])
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_allreduce_shapes_and_sizes(shape: str, n: int) -> None:
+    counts = [1, 2, 7, 100, 4099]
+
+    def body(r, comm):
+        outs = []
+        for i, c in enumerate(counts):
+            x = values(r, c, "float32", "sum", seed=i)
+            comm.allreduce(x)
+            outs.append(x)
+        return outs
+
+    for outs in run_loopback(n, body, planner=hand_planner(shape, 2), env={"BLINK_CHUNK_BYTES": "64"}):
+        for i, (c, x) in enumerate(zip(counts, outs)):
+            np.testing.assert_array_equal(x, expected(n, c, "float32", "sum", seed=i))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast_from_every_root(dtype: str) -> None:
+    n, count = 4, 777
+
+    def body(r, comm):
+        outs = []
+        for root in range(n):
+            x = values(r, count, dtype, "sum", seed=root)
+            comm.broadcast(x, root)
+            outs.append(x.astype(np.float64))
+        return outs
+
+    for r, outs in enumerate(run_loopback(n, body, env={"BLINK_CHUNK_BYTES": "512"})):
+        for root, x in enumerate(outs):
+            np.testing.assert_array_equal(x, values(root, count, dtype, "sum", seed=root).astype(np.float64))
+
+
+def test_root_array_is_untouched_and_multidimensional_shapes_work() -> None:
+    def body(r, comm):
+        x = np.arange(24, dtype=np.int64).reshape(2, 3, 4) * (r + 1)
+        keep = x.copy()
+        comm.broadcast(x, 1)
+        y = np.full((3, 5), r, np.float64)
+        comm.allreduce(y, "max")
+        return r, x, keep, y
+
+    for r, x, keep, y in run_loopback(3, body):
+        np.testing.assert_array_equal(x, np.arange(24).reshape(2, 3, 4) * 2)
+        if r == 1:
+            np.testing.assert_array_equal(x, keep)
+        assert y.shape == (3, 5) and (y == 2).all()
+
+
+def test_hierarchical_stages_equal_allreduce(monkeypatch) -> None:
+    # Small pieces: the stages must keep each rank's segment across pieces.
+    monkeypatch.setattr(communicator_mod, "MAX_PIECE_BYTES", 4 * 40)
+    n = 3
+    counts = [5, 119, 120, 121, 1000]
+
+    def body(r, comm):
+        outs = []
+        for i, c in enumerate(counts):
+            x = values(r, c, "int64", "sum", seed=i)
+            start, end = comm.reduce_to_roots(x, "sum")
+            assert (start, end) == segment_bounds(c, n, r)
+            seg = x[start:end].copy()
+            comm.broadcast_from_roots(x)
+            outs.append((seg, x))
+        return outs
+
+    for r, outs in enumerate(run_loopback(n, body, env={"BLINK_CHUNK_BYTES": "48"})):
+        for i, (c, (seg, x)) in enumerate(zip(counts, outs)):
+            want = expected(n, c, "int64", "sum", seed=i)
+            lo, hi = segment_bounds(c, n, r)
+            np.testing.assert_array_equal(seg, want[lo:hi])
+            np.testing.assert_array_equal(x, want)
+
+
+def test_pieces_and_buffer_growth(monkeypatch) -> None:
+    monkeypatch.setattr(communicator_mod, "MAX_PIECE_BYTES", 8 * 1000)
+    counts = [10, 5000, 3, 20000, 999, 1001]
+
+    def body(r, comm):
+        outs = []
+        for i, c in enumerate(counts):
+            x = values(r, c, "float64", "sum", seed=i)
+            comm.allreduce(x)
+            b = values(r, c, "float64", "sum", seed=i)
+            comm.broadcast(b, i % 4)
+            outs.append((x, b))
+        return outs
+
+    for outs in run_loopback(4, body, env={"BLINK_CHUNK_BYTES": "800"}):
+        for i, (c, (x, b)) in enumerate(zip(counts, outs)):
+            np.testing.assert_array_equal(x, expected(4, c, "float64", "sum", seed=i))
+            np.testing.assert_array_equal(b, values(i % 4, c, "float64", "sum", seed=i))
+
+
+def test_direct_placement_matches_plain_staging(monkeypatch) -> None:
+    """The placement optimisation changes where values live, never the results."""
+    def run(place: bool):
+        monkeypatch.setattr(executor_mod, "_PLACE", place)
+
+        def body(r, comm):
+            x = values(r, 3000, "float32", "sum")
+            comm.allreduce(x)
+            b = values(r, 3000, "float32", "sum")
+            comm.broadcast(b, 2)
+            return x, b
+
+        return run_loopback(4, body, planner=hand_planner("chain", 2), env={"BLINK_CHUNK_BYTES": "400"})
+
+    for (x1, b1), (x2, b2) in zip(run(True), run(False)):
+        np.testing.assert_array_equal(x1, x2)
+        np.testing.assert_array_equal(b1, b2)
+
+
+def test_allgather_object_and_barrier() -> None:
+    def body(r, comm):
+        got = comm.allgather_object({"rank": r, "blob": "x" * (100 * r)})
+        comm.barrier()
+        return got
+
+    for got in run_loopback(3, body):
+        assert [g["rank"] for g in got] == [0, 1, 2] and len(got[2]["blob"]) == 200
+
+
+def test_single_rank_is_the_identity() -> None:
+    from blink_horovod.config import load_config
+    from blink_horovod.runtime.communicator import Communicator
+
+    comm = Communicator(0, 1, None, None, load_config({}))
+    x = np.arange(10, dtype=np.float32)
+    comm.allreduce(x, "average")
+    comm.broadcast(x, 0)
+    assert comm.reduce_to_roots(x) == (0, 10)
+    np.testing.assert_array_equal(x, np.arange(10))
+    comm.close()
