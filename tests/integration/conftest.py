@@ -152,6 +152,7 @@ WORKER_PRELUDE = textwrap.dedent(
 
         config = config or load_config()
         rendezvous = FileRendezvous(RDV_DIR, RANK, SIZE, timeout=config.timeout_seconds)
+        _OWNED.append(rendezvous)
         topo = None
         if topology is not None:
             from blink_horovod.topology.machines import resolve
@@ -161,7 +162,21 @@ WORKER_PRELUDE = textwrap.dedent(
             planner = None
         except ImportError:
             planner = _chain_planner
-        return Communicator(RANK, SIZE, topo, rendezvous, config=config, device="cpu", planner=planner)
+        comm = Communicator(RANK, SIZE, topo, rendezvous, config=config, device="cpu", planner=planner)
+        _OWNED.append(comm)
+        return comm
+
+    # What this rank made and closes on the way out, as a careful program does
+    # (``with`` / ``finally``): communicators first, then their rendezvous.
+    _OWNED = []
+
+    def _close_owned():
+        for obj in reversed(_OWNED):
+            try:
+                obj.close()
+            except BaseException as exc:
+                emit("close-error", type=type(exc).__name__, message=str(exc), what=type(obj).__name__)
+        del _OWNED[:]
 
     def main(body):
         """Run body(); a BlinkError becomes an 'error' event and exit 1, anything else exit 3."""
@@ -172,11 +187,14 @@ WORKER_PRELUDE = textwrap.dedent(
         except BlinkError as exc:
             emit("error", type=type(exc).__name__, message=str(exc),
                  mro=[c.__name__ for c in type(exc).__mro__], **STATE)
+            _close_owned()
             sys.exit(1)
         except BaseException as exc:
             emit("crash", type=type(exc).__name__, message=str(exc), **STATE)
             traceback.print_exc()
+            _close_owned()
             sys.exit(3)
+        _close_owned()
         emit("done")
         sys.exit(0)
     '''
@@ -215,6 +233,8 @@ def _events(text: str) -> list[dict[str, Any]]:
 
 class RankGroup:
     """``n`` running ranks; every wait is bounded by ``limit`` seconds from the start."""
+
+    rendezvous_left_ok = False
 
     def __init__(self, procs: list[subprocess.Popen], folder: Path, limit: float) -> None:
         self.procs = procs
@@ -323,6 +343,7 @@ class RankLauncher:
         stall_seconds: float = 1.0,
         python: str | None = None,
         params: Mapping[str, Any] | None = None,
+        rendezvous_left_ok: bool = False,
     ) -> RankGroup:
         """Start ``n`` ranks running ``WORKER_PRELUDE + body``.
 
@@ -330,7 +351,10 @@ class RankLauncher:
         small values so faults surface in seconds; ``env`` adds or overrides
         variables for every rank, ``rank_env[r]`` for rank ``r`` only (e.g. a
         ``BLINK_FAULT`` on one rank).  ``limit`` is the hard wall-clock bound.
-        ``params`` reaches the worker as the dict ``PARAMS``.
+        ``params`` reaches the worker as the dict ``PARAMS``.  After the test the
+        rendezvous folder must be empty or gone (its files are the job's temporary
+        files) unless ``rendezvous_left_ok`` (every rank killed: nobody is left to
+        remove them).
         """
         index = len(self.groups)
         folder = self.folder / f"group{index}"
@@ -366,14 +390,16 @@ class RankLauncher:
                     )
                 )
         group = RankGroup(procs, folder, limit)
+        group.rendezvous_left_ok = rendezvous_left_ok
         self.groups.append(group)
         return group
 
     def our_pids(self) -> set[int]:
         return {pid for g in self.groups for pid in g.pids}
 
-    def close(self) -> list[str]:
-        """Kill what still runs; the ``blink-*`` names our ranks left in ``/dev/shm``."""
+    def close(self) -> tuple[list[str], list[str]]:
+        """Kill what still runs; the ``blink-*`` names our ranks left in ``/dev/shm``, and
+        the files left in rendezvous folders that should be clean."""
         for g in self.groups:
             g.kill_all()
         ours = self.our_pids()
@@ -381,14 +407,19 @@ class RankLauncher:
             name for name, pid in blink_shm_entries().items()
             if name not in self.shm_before and (pid in ours or pid == 0)
         ]
-        return sorted(leaked)
+        left = [
+            str(p.relative_to(self.folder))
+            for g in self.groups if not g.rendezvous_left_ok and (g.folder / "rdv").is_dir()
+            for p in sorted((g.folder / "rdv").iterdir())
+        ]
+        return sorted(leaked), left
 
 
 @pytest.fixture
 def ranks(tmp_path: Path) -> Iterator[RankLauncher]:
     launcher = RankLauncher(tmp_path)
     yield launcher
-    leaked = launcher.close()
+    leaked, left = launcher.close()
     for name in leaked:  # do not let one leak fail the next tests too
         try:
             (SHM_DIR / name).unlink()
@@ -396,6 +427,8 @@ def ranks(tmp_path: Path) -> Iterator[RankLauncher]:
             pass
     if leaked:
         pytest.fail(f"/dev/shm entries outlived the job: {leaked}", pytrace=False)
+    if left:
+        pytest.fail(f"rendezvous files outlived the job: {left}", pytrace=False)
 
 
 # -- results, errors ------------------------------------------------------------------------------
