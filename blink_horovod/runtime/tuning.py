@@ -85,5 +85,6 @@ class ChunkChooser:
         """Bucket -> chunk bytes in use (kept with the plan by the communicator)."""
         out = dict(self._chosen)
         for bucket, tuner in self._tuners.items():
-            out[bucket] = int(tuner.current())
+            if tuner is not None:  # None: no MIAD tuner could be made, the default size is in _chosen
+                out[bucket] = int(tuner.current())
         return out
