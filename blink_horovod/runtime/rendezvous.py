@@ -195,34 +195,31 @@ class FileRendezvous(Rendezvous):
         return list(self._pids or [])
 
     def close(self) -> None:
-        """Remove this rank's files; the last rank out removes the directory."""
-        for rnd in (self._round - 1, self._round):
-            if rnd >= 1:
-                try:
-                    os.unlink(self._file(rnd, self.local_rank))
-                except FileNotFoundError:
-                    pass
-        # A killed peer cannot remove its own files, and survivors closing at the same
-        # moment each see the others alive: so every rank removes dead peers' files
-        # itself, and whichever rank is last to empty the folder removes it.
-        dead = {f"-rank{r}.pkl" for r, p in enumerate(self._pids or []) if r != self.local_rank and p and not pid_alive(p)}
-        if dead:
+        """Leave; the last rank out removes the directory.
+
+        The last round's file may still be unread by a slower peer, so it
+        stays; each rank drops a ``closed-R`` marker instead, and whoever finds
+        every rank either closed or dead (a killed rank cannot clean up after
+        itself) removes the whole directory, dead ranks' files included.
+        """
+        if self._round >= 2:
             try:
-                names = os.listdir(self.dir)
-            except OSError:
-                names = []
-            for name in names:
-                if any(name.endswith(d) or (d + ".tmp") in name for d in dead):
-                    try:
-                        os.unlink(os.path.join(self.dir, name))
-                    except OSError:
-                        pass
+                os.unlink(self._file(self._round - 1, self.local_rank))
+            except FileNotFoundError:
+                pass
         try:
-            os.rmdir(self.dir)
+            with open(os.path.join(self.dir, f"closed-{self.local_rank}"), "wb"):
+                pass
         except OSError:
-            # Not empty: peers still here, or a dead peer's file; remove it if all others are gone.
-            if self._pids and all(not pid_alive(p) for i, p in enumerate(self._pids) if i != self.local_rank):
-                shutil.rmtree(self.dir, ignore_errors=True)
+            return
+        pids = self._pids or []
+        for r in range(self.local_size):
+            if os.path.exists(os.path.join(self.dir, f"closed-{r}")):
+                continue
+            pid = pids[r] if r < len(pids) else 0
+            if not pid or pid_alive(pid):
+                return  # still working (or never seen): it removes the directory when it closes
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _job_dir(job: str) -> str:
