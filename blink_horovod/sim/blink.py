@@ -72,13 +72,34 @@ def plan_for(topology: Topology, collective: str, root: int | None = None, chann
 
 
 def _tree_hops(plan: Plan, kind: str) -> int:
-    """Longest chain of dependent transfers in any tree (pipeline depth)."""
+    """Longest chain of dependent chunk transfers in any tree (the pipeline's depth).
+
+    Down a tree a chunk takes one hop per level.  Up a tree a node reduces its
+    children's chunks one after the other (they write one region), so a node
+    with k children adds k - 1 hops to the chain through it.
+    """
     best = 0
     for t in plan.trees:
         if t.fraction <= FRACTION_EPS or not t.edges:
             continue
-        d = t.depth()
-        best = max(best, 2 * d if kind == "allreduce" else d)
+        kids = t.children()
+        # Post-order (children before parents) without recursion.
+        order, stack = [], [t.root]
+        while stack:
+            v = stack.pop()
+            order.append(v)
+            stack.extend(kids.get(v, ()))
+        up: dict[int, int] = {}
+        for v in reversed(order):
+            cs = kids.get(v, ())
+            up[v] = max(up[c] for c in cs) + len(cs) if cs else 0
+
+        hops = 0
+        if kind in ("allreduce", "reduce"):
+            hops += up[t.root]
+        if kind in ("allreduce", "broadcast"):
+            hops += t.depth()
+        best = max(best, hops)
     return best
 
 
