@@ -42,6 +42,37 @@ def _packages():
 
 PACKAGES, PACKAGE_DIR = _packages()
 
+
+# --- BLINK_ENABLE import hook (added by the Horovod-integration engineer) -------------------
+# ops/blink_horovod_hook.pth must land at the top of site-packages so that it runs at
+# interpreter start-up (see ops/hook.py). build_py covers wheels / `pip install .`;
+# editable_wheel covers `pip install -e .` (PEP 660), which would otherwise skip it.
+import shutil  # noqa: E402
+
+from setuptools.command.build_py import build_py as _build_py  # noqa: E402
+from setuptools.command.editable_wheel import editable_wheel as _editable_wheel  # noqa: E402
+
+HOOK_PTH = os.path.join("ops", "blink_horovod_hook.pth")
+
+
+class build_py_with_hook(_build_py):
+    def run(self):
+        super().run()
+        self.copy_file(os.path.join(HERE, HOOK_PTH), os.path.join(self.build_lib, os.path.basename(HOOK_PTH)))
+
+    def get_outputs(self, include_bytecode=1):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, os.path.basename(HOOK_PTH))]
+
+
+class editable_wheel_with_hook(_editable_wheel):
+    def _install_namespaces(self, installation_dir, pth_prefix):
+        super()._install_namespaces(installation_dir, pth_prefix)
+        shutil.copy(os.path.join(HERE, HOOK_PTH), os.path.join(installation_dir, os.path.basename(HOOK_PTH)))
+
+
+CMDCLASS = {"build_py": build_py_with_hook, "editable_wheel": editable_wheel_with_hook}
+# ---------------------------------------------------------------------------------------------
+
 setup(
     name="blink_horovod",
     version="0.1.0",
@@ -55,6 +86,7 @@ setup(
         "scipy",
         "cvxpy",
     ],
+    cmdclass=CMDCLASS,
     entry_points={
         "console_scripts": [
             "blink=blink_horovod.cli:main",

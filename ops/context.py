@@ -1,0 +1,126 @@
+"""What Blink holds between ``hvd.init()`` and ``hvd.shutdown()``: layout, communicator, engine.
+
+Built once per ``hvd.init`` by a framework adapter (:mod:`.torch_ops`,
+:mod:`.tf_ops`) from stock Horovod's view of the job, and torn down by
+``hvd.shutdown`` -- so ``init``/``shutdown`` cycles (Horovod's elastic mode,
+its own test suite) leave no shared memory, files or threads behind.  When
+Blink cannot run for the job (servers of different sizes, ranks not numbered
+server by server), :func:`create_context` returns None with the reason, and
+every collective goes to stock Horovod.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from ..config import Config, load_config
+from ..errors import BlinkError
+from .engine import Engine
+from .fusion import fusion_threshold
+from .hierarchical import CrossTransport, Hierarchy
+from .layout import Layout, layout_from_horovod
+
+__all__ = ["HorovodView", "BlinkContext", "create_context", "configure_logging"]
+
+log = logging.getLogger("blink_horovod.ops")
+
+
+class HorovodView(Protocol):
+    """Stock Horovod of one framework binding, as the runtime's ``rendezvous.from_horovod`` reads it."""
+
+    def rank(self) -> int: ...
+    def size(self) -> int: ...
+    def local_rank(self) -> int: ...
+    def local_size(self) -> int: ...
+    def is_homogeneous(self) -> bool: ...
+    def allgather_object(self, obj: Any) -> list: ...
+
+
+@dataclass
+class BlinkContext:
+    """The live Blink state of one process."""
+
+    layout: Layout
+    config: Config
+    engine: Engine
+    communicator: Any = None
+    rendezvous: Any = None
+    cross: CrossTransport | None = None
+
+    def close(self) -> None:
+        """Stop the engine, free shared memory, leave the rendezvous (idempotent)."""
+        try:
+            self.engine.close()
+        finally:
+            for obj in (self.communicator, self.rendezvous):
+                if obj is not None:
+                    try:
+                        obj.close()
+                    except Exception as exc:  # closing must not mask the shutdown
+                        log.warning("blink: closing %s: %s", type(obj).__name__, exc)
+            self.communicator = self.rendezvous = None
+
+
+def configure_logging(level: str) -> None:
+    """Send ``blink_horovod`` log records to stderr at ``BLINK_LOG_LEVEL`` (once)."""
+    root = logging.getLogger("blink_horovod")
+    root.setLevel({"warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}[level])
+    if not root.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
+        root.addHandler(h)
+
+
+def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTransport | None],
+                   config: Config | None = None) -> tuple[BlinkContext | None, str]:
+    """Set Blink up for the job stock Horovod just initialised.
+
+    Returns ``(context, "")``, or ``(None, reason)`` when Blink stays out.
+    ``cross_factory(layout)`` gives the cross-server transport (it needs the
+    process sets the adapter created in ``hvd.init``).
+    """
+    cfg = config or load_config()
+    configure_logging(cfg.log_level)
+    layout = layout_from_horovod(hvd.rank(), hvd.size(), hvd.local_size(), hvd.is_homogeneous(), _env())
+    if layout is None:
+        return None, "servers run different numbers of ranks (set BLINK_LOCAL_SIZE to override)"
+    cross = None
+    if layout.multi_server:
+        cross = cross_factory(layout)
+        if cross is None:
+            return None, "the cross-server process sets could not be created"
+    comm = rdv = None
+    if layout.local_size > 1:
+        from ..runtime.communicator import Communicator  # lazy: importing ops stays cheap
+        from ..runtime.rendezvous import from_horovod
+
+        try:
+            rdv = from_horovod(hvd, cfg)
+        except BlinkError as exc:
+            return None, str(exc)
+        if (rdv.local_rank, rdv.local_size) != (layout.local_rank, layout.local_size):
+            rdv.close()
+            return None, (f"Horovod's numbering is not server by server (rank {layout.rank}: local rank "
+                          f"{rdv.local_rank} of {rdv.local_size} on its host, expected {layout.local_rank})")
+        comm = Communicator(layout.local_rank, layout.local_size, None, rdv, cfg)
+    intra = comm.allgather_object if comm is not None else (lambda obj: [obj])
+
+    def cross_allgather(row: np.ndarray, name: str) -> np.ndarray:
+        return cross.allgather_rows(row, layout.cross_ranks(), name)  # type: ignore[union-attr]
+
+    engine = Engine(layout.rank, layout.size, layout.server, Hierarchy(layout, comm, cross), intra,
+                    cross_allgather if cross is not None else None, cfg.timeout_seconds, fusion_threshold())
+    log.info("blink: rank %d of %d, server %d of %d (%d ranks each), topology %s", layout.rank, layout.size,
+             layout.server, layout.num_servers, layout.local_size,
+             comm.topology.name if comm is not None else "-")
+    return BlinkContext(layout, cfg, engine, comm, rdv, cross), ""
+
+
+def _env() -> dict:
+    import os
+
+    return dict(os.environ)

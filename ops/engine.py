@@ -1,0 +1,474 @@
+"""The Blink engine: one background thread that runs this rank's collectives in submission order.
+
+Horovod runs collectives on a background thread and hands out handles
+(``allreduce_async`` -> ``poll`` / ``synchronize``); Blink does the same, so
+async calls really overlap the caller (backward keeps running while buckets
+reduce) and Horovod's handle API keeps its meaning.  Each *round* of the
+thread (:mod:`.negotiation`) agrees with every other rank on what runs next,
+then runs it:
+
+- ``allreduce`` (one or several fused collectives): the hierarchical
+  allreduce of :mod:`.hierarchical` on one flat buffer per dtype, with
+  Horovod's scaling (:mod:`.scaling`);
+- ``broadcast``: the two-stage broadcast;
+- ``stock``: an operation Blink does not carry (allgather, alltoall,
+  Adasum, ...), submitted to stock Horovod at its place in the order;
+- ``barrier``: the round itself is the barrier;
+- ``join``: the rank keeps taking part in rounds, contributing the reduction's
+  identity, until every rank has joined (Horovod's ``hvd.join``).
+
+Every wait is bounded by ``BLINK_TIMEOUT_SECONDS``.  A failure in a round
+fails that round's collectives on every rank with a clear error; a failure
+that may have left ranks out of step (a timeout, a dead peer) also marks the
+engine broken, so later collectives fail at once instead of hanging -- as
+Horovod does after a failed collective until it is re-initialised.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .._stats import record
+from ..errors import BlinkError, BlinkInternalError, BlinkTimeoutError, MismatchError
+from .errors_bridge import as_horovod_error
+from .fusion import FlatBuffer
+from .hierarchical import Hierarchy
+from .patching import bypass
+from .negotiation import DTYPE_CODES, MAX_FUSED, Decision, Meta, Proposal, decide_global, decide_server, \
+    encode_summary
+from .scaling import average_postscale, needs_scaling, scale_into
+
+__all__ = ["Handle", "Work", "Engine", "StockWaiter", "identity_value"]
+
+log = logging.getLogger("blink_horovod.ops")
+
+_POLL_SLICE = 0.002
+
+
+class StockWaiter:
+    """What a stock Horovod submission returns to the engine: ``poll()`` and ``wait(timeout)``."""
+
+    def poll(self) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def wait(self, timeout: float) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class Handle:
+    """An in-flight collective: Horovod's async handle for Blink's path.
+
+    Not callable and not an int, so Horovod code that tells handles apart
+    (``callable(handle)`` for sparse allreduces) keeps working.
+    """
+
+    _ids = itertools.count(1)
+    __slots__ = ("id", "name", "_event", "_value", "_error", "_stock", "_finish", "_timeout", "__weakref__")
+
+    def __init__(self, name: str | None, timeout: float) -> None:
+        self.id = next(Handle._ids)
+        self.name = name
+        self._event = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._stock: StockWaiter | None = None
+        self._finish: Callable[[Any], Any] | None = None
+        self._timeout = timeout
+
+    def __repr__(self) -> str:
+        state = "done" if self._event.is_set() else "pending"
+        return f"<blink Handle {self.id} {self.name or ''} {state}>"
+
+    def _set(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        self._event.set()
+
+    def poll(self) -> bool:
+        """True once ``wait`` would return without blocking."""
+        if not self._event.is_set():
+            return False
+        if self._stock is not None and self._error is None:
+            return self._stock.poll()
+        return True
+
+    def wait(self) -> Any:
+        """Block until done (bounded by the timeout); return the result or raise Horovod's error class."""
+        if not self._event.wait(self._timeout):
+            raise as_horovod_error(BlinkTimeoutError(
+                f"collective {self.name or self.id} did not complete within {self._timeout:.0f} s "
+                f"(BLINK_TIMEOUT_SECONDS); some rank has not submitted it"))
+        if self._error is not None:
+            raise self._error
+        if self._stock is not None:
+            value = self._stock.wait(self._timeout)
+            return self._finish(value) if self._finish else value
+        return self._value
+
+
+@dataclass
+class Work:
+    """One queued collective.
+
+    ``arrays`` are the numpy views the collective writes in place (inputs
+    already prescaled); ``finish`` turns the completed arrays into the
+    caller's result (e.g. the output tensor).  For ``stock`` work, ``submit``
+    hands the operation to stock Horovod and returns a :class:`StockWaiter`.
+    """
+
+    meta: Meta
+    handle: Handle
+    arrays: list[np.ndarray] = field(default_factory=list)
+    finish: Callable[[], Any] | None = None
+    submit: Callable[[], StockWaiter] | None = None
+    stock_finish: Callable[[Any], Any] | None = None
+    keepalive: Any = None
+    join: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "join" if self.join else self.meta.kind
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self.arrays))
+
+    def fusable_with(self, other: "Work") -> bool:
+        a, b = self.meta, other.meta
+        if self.join or other.join or a.kind != b.kind:
+            return False
+        if a.kind == "allreduce":
+            return a.op == b.op and a.postscale == b.postscale and a.process_set == b.process_set
+        if a.kind == "broadcast":
+            return a.root == b.root and a.process_set == b.process_set
+        return False
+
+
+def identity_value(op: str, dtype: np.dtype) -> Any:
+    """The element a joined rank contributes so that it changes nothing: 0, 1, +max or -max."""
+    if op in ("sum", "average"):
+        return 0
+    if op == "product":
+        return 1
+    if dtype.kind == "f":
+        return np.inf if op == "min" else -np.inf
+    info = np.iinfo(dtype)
+    return info.max if op == "min" else info.min
+
+
+def _base_op(op: str) -> str:
+    return "sum" if op == "average" else op
+
+
+def _dtype_order(dt: np.dtype) -> int:
+    name = "bfloat16" if dt.name == "bfloat16" else str(dt)
+    return DTYPE_CODES.index(name) if name in DTYPE_CODES else len(DTYPE_CODES)
+
+
+class Engine:
+    """This rank's background collective thread.
+
+    Parameters
+    ----------
+    rank, size:
+        This rank and the job size (Average divides by ``size``, joined ranks included).
+    server_index:
+        This rank's server.
+    hierarchy:
+        Runs the data movement (:class:`.hierarchical.Hierarchy`).
+    intra_allgather:
+        Allgather of a Python object over the server's ranks (the runtime's rendezvous).
+    cross_allgather:
+        ``f(row, name) -> [num_servers, len(row)]`` over this rank's cross-server
+        process set (None for single-server jobs).
+    timeout:
+        ``BLINK_TIMEOUT_SECONDS``.
+    fusion_bytes:
+        At most this many bytes fused into one round (``HOROVOD_FUSION_THRESHOLD``).
+    """
+
+    def __init__(self, rank: int, size: int, server_index: int, hierarchy: Hierarchy,
+                 intra_allgather: Callable[[Any], list],
+                 cross_allgather: Callable[[np.ndarray, str], np.ndarray] | None,
+                 timeout: float, fusion_bytes: int) -> None:
+        self.rank = rank
+        self.size = size
+        self.server_index = server_index
+        self.hierarchy = hierarchy
+        self.intra_allgather = intra_allgather
+        self.cross_allgather = cross_allgather
+        self.timeout = timeout
+        self.fusion_bytes = fusion_bytes
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Work] = collections.deque()
+        self._inflight: dict[str, int] = {}
+        self._closed = False
+        self._broken: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._round = 0
+        self._joined = False
+        self._join_round = -1
+        self._join_work: Work | None = None
+        self.last_round_seconds = 0.0
+
+    # -- submission (caller threads) -------------------------------------------------------
+
+    def new_handle(self, name: str | None) -> Handle:
+        return Handle(name, self.timeout + 30.0)
+
+    def submit(self, work: Work) -> Handle:
+        """Queue ``work``; raise ``ValueError`` if its name is already in flight (as Horovod)."""
+        name = work.meta.name
+        with self._cond:
+            if self._broken is not None:
+                raise as_horovod_error(BlinkInternalError(
+                    f"Blink engine stopped after an earlier failure: {self._broken}"))
+            if self._closed:
+                raise as_horovod_error(BlinkInternalError("Horovod has been shut down (Blink engine closed)"))
+            if name is not None:
+                if name in self._inflight:
+                    raise ValueError(
+                        f"Requested to {work.meta.kind} a tensor with the same name as another tensor that is "
+                        f"currently being processed.  If you want to request another tensor, use a different "
+                        f"tensor name. (name {name!r})")
+                self._inflight[name] = 1
+            self._queue.append(work)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="blink-engine", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return work.handle
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queue and not self._joined
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop after the round in progress; queued collectives fail with "shut down"."""
+        with self._cond:
+            self._closed = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for w in pending:
+            self._fail([w], BlinkInternalError("Horovod has been shut down before this collective ran"))
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def _take_head(self) -> list[Work] | None:
+        """Wait for work (or closing); return the fusable run at the queue head without popping it."""
+        with self._cond:
+            while not self._queue and not self._closed and not self._joined:
+                self._cond.wait(0.5)
+            if self._closed:
+                return None
+            if self._joined:
+                return []
+            run = [self._queue[0]]
+            budget = run[0].nbytes
+            for w in itertools.islice(self._queue, 1, MAX_FUSED):
+                if not run[0].fusable_with(w) or (self.fusion_bytes and budget + w.nbytes > self.fusion_bytes):
+                    break
+                if not self.fusion_bytes:
+                    break
+                run.append(w)
+                budget += w.nbytes
+            return run
+
+    def _pop(self, n: int) -> list[Work]:
+        with self._cond:
+            return [self._queue.popleft() for _ in range(n)]
+
+    def _loop(self) -> None:
+        with bypass():  # whatever this thread calls of Horovod is stock Horovod
+            self._rounds()
+
+    def _rounds(self) -> None:
+        while True:
+            run = self._take_head()
+            if run is None:
+                return
+            if run and run[0].join:
+                self._pop(1)
+                self._joined, self._join_round, self._join_work = True, self._round, run[0]
+                run = []
+            if self._joined:
+                proposal = Proposal(self.rank, joined=True, join_round=self._join_round)
+            else:
+                proposal = Proposal(self.rank, metas=tuple(w.meta for w in run))
+            t0 = time.perf_counter()
+            try:
+                decision = self._negotiate(proposal)
+            except BaseException as exc:  # a timeout or a dead peer: ranks may be out of step now
+                self._break(exc, run)
+                return
+            self._round += 1
+            try:
+                self._execute(decision, run)
+            except BaseException as exc:
+                self._break(exc, [])
+                return
+            self.last_round_seconds = time.perf_counter() - t0
+
+    def _negotiate(self, proposal: Proposal) -> Decision:
+        proposals = self.intra_allgather(proposal)
+        view = decide_server(proposals)
+        summaries = None
+        if self.cross_allgather is not None:
+            summaries = self.cross_allgather(encode_summary(view), f"blink.neg.{self._round}")
+        return decide_global(view, summaries, self.server_index)
+
+    def _execute(self, decision: Decision, run: list[Work]) -> None:
+        if decision.action == "done_join":
+            work, self._joined, self._join_work = self._join_work, False, None
+            if work is not None:
+                self._complete([work], decision.last_joined)
+            return
+        if decision.action == "mismatch":
+            if not self._joined:
+                head = self._pop(1)
+                self._fail(head, MismatchError(decision.message))
+            return
+        # "run"
+        if self._joined:
+            self._serve_joined(decision.head)
+            return
+        works = self._pop(decision.count)
+        kind = works[0].meta.kind
+        if decision.any_joined and kind in ("broadcast", "stock"):
+            what = works[0].meta.stock_kind or kind
+            self._fail(works, BlinkInternalError(
+                f"{what} is not supported while ranks {list(decision.joined_ranks) or '(on another server)'} "
+                f"have called join(); only allreduce is (as in Horovod)"))
+            return
+        t0 = time.perf_counter()
+        try:
+            if kind == "allreduce":
+                self._run_allreduce(works)
+            elif kind == "broadcast":
+                self._run_broadcast(works)
+            elif kind == "stock":
+                self._run_stock(works)
+                return
+            elif kind == "barrier":
+                pass
+        except BaseException as exc:
+            self._fail(works, exc)
+            raise
+        seconds = time.perf_counter() - t0
+        nbytes = sum(w.nbytes for w in works)
+        if kind in ("allreduce", "broadcast"):
+            for i, w in enumerate(works):
+                record(kind, w.nbytes, seconds if i == 0 else 0.0)
+        self._complete(works, None, nbytes=nbytes)
+
+    # -- data stages ---------------------------------------------------------------------------
+
+    def _groups(self, arrays: Sequence[np.ndarray]) -> list[list[np.ndarray]]:
+        by: dict[np.dtype, list[np.ndarray]] = {}
+        for a in arrays:
+            by.setdefault(a.dtype, []).append(a)
+        return [by[dt] for dt in sorted(by, key=_dtype_order)]
+
+    def _run_allreduce(self, works: list[Work]) -> None:
+        meta = works[0].meta
+        op = _base_op(meta.op)
+        post = meta.postscale
+        if meta.op == "average":
+            post = average_postscale(post, self.size)
+        arrays = [a for w in works for a in w.arrays]
+        for gi, group in enumerate(self._groups(arrays)):
+            buf = FlatBuffer(group)
+            self.hierarchy.allreduce(buf.flat, op, f"blink.{self._round}.{gi}")
+            if needs_scaling(post):
+                scale_into(buf.flat, buf.flat, post)
+            buf.copy_out()
+
+    def _run_broadcast(self, works: list[Work]) -> None:
+        root = works[0].meta.root
+        arrays = [a for w in works for a in w.arrays]
+        for gi, group in enumerate(self._groups(arrays)):
+            buf = FlatBuffer(group, copy_in=(self.rank == root))
+            self.hierarchy.broadcast(buf.flat, root, f"blink.{self._round}.{gi}")
+            buf.copy_out()
+
+    def _run_stock(self, works: list[Work]) -> None:
+        for w in works:
+            try:
+                waiter = w.submit()
+            except BaseException as exc:  # argument errors of stock Horovod keep their class (ValueError)
+                self._release(w)
+                w.handle._set(error=exc)
+                continue
+            w.handle._stock = waiter
+            w.handle._finish = w.stock_finish
+            self._release(w)
+            w.handle._set()
+
+    def _serve_joined(self, head: Meta | None) -> None:
+        """A joined rank's part in a collective the others run: the reduction's identity."""
+        if head is None or head.kind != "allreduce":
+            return
+        op = _base_op(head.op)
+        arrays = []
+        for dt, n in head.numel_by_dtype().items():
+            ndt = self._numpy_dtype(dt)
+            arrays.append(np.full(n, identity_value(op, ndt), dtype=ndt))
+        for gi, group in enumerate(self._groups(arrays)):
+            buf = FlatBuffer(group)
+            self.hierarchy.allreduce(buf.flat, op, f"blink.{self._round}.{gi}")
+
+    @staticmethod
+    def _numpy_dtype(name: str) -> np.dtype:
+        if name == "bfloat16":
+            import ml_dtypes  # noqa: PLC0415 - only when bfloat16 is used
+
+            return np.dtype(ml_dtypes.bfloat16)
+        if name == "bool":
+            return np.dtype(np.uint8)
+        return np.dtype(name)
+
+    # -- completion --------------------------------------------------------------------------------
+
+    def _release(self, w: Work) -> None:
+        if w.meta.name is not None:
+            with self._cond:
+                self._inflight.pop(w.meta.name, None)
+
+    def _complete(self, works: Sequence[Work], value: Any, nbytes: int = 0) -> None:
+        for w in works:
+            self._release(w)
+            try:
+                result = w.finish() if w.finish is not None else value
+            except BaseException as exc:
+                w.handle._set(error=as_horovod_error(exc))
+                continue
+            w.handle._set(result)
+
+    def _fail(self, works: Sequence[Work], exc: BaseException) -> None:
+        err = as_horovod_error(exc)
+        for w in works:
+            self._release(w)
+            w.handle._set(error=err)
+
+    def _break(self, exc: BaseException, run: Sequence[Work]) -> None:
+        log.error("blink: collective engine stopped: %s", exc)
+        with self._cond:
+            self._broken = exc
+            pending = list(self._queue)
+            self._queue.clear()
+        if self._join_work is not None:
+            pending.append(self._join_work)
+            self._join_work = None
+        self._fail(pending, exc)

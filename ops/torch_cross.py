@@ -1,0 +1,89 @@
+"""The cross-server stage over stock ``horovod.torch``: Horovod's rings on numpy arrays, in place.
+
+The hierarchical allreduce's stage 2 (:mod:`.hierarchical`) runs on Horovod
+itself -- Gloo, MPI or NCCL, whichever the job uses -- on the process sets
+of same-local-rank ranks created in ``hvd.init``.  numpy arrays cross into
+torch without copies (``torch.from_numpy`` shares the memory) and Horovod
+reduces them in place.  Every wait polls with a deadline
+(``BLINK_TIMEOUT_SECONDS``) instead of blocking in Horovod's C++ wait.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import BlinkTimeoutError
+
+__all__ = ["TorchCross", "wait_horovod"]
+
+
+def wait_horovod(poll: Callable[[Any], bool], synchronize: Callable[[Any], Any], handle: Any, timeout: float,
+                 what: str) -> Any:
+    """Poll a stock Horovod handle until done (backing off from 20 us to 1 ms), then synchronize it."""
+    deadline = time.monotonic() + timeout
+    delay = 2e-5
+    while not poll(handle):
+        if time.monotonic() > deadline:
+            raise BlinkTimeoutError(f"{what}: stock Horovod did not complete within {timeout:g} s "
+                                    f"(BLINK_TIMEOUT_SECONDS)")
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+    return synchronize(handle)
+
+
+class TorchCross:
+    """:class:`~.hierarchical.CrossTransport` over the original (unpatched) ``horovod.torch`` functions.
+
+    Parameters
+    ----------
+    stock:
+        The originals: ``_allreduce_async``, ``_broadcast_async``, ``_allgather_async``,
+        ``poll``, ``synchronize`` and the op constants ``Sum``, ``Min``, ``Max``, ``Product``.
+    process_sets:
+        ``tuple(ranks) -> ProcessSet`` for every cross-server set.
+    timeout:
+        Seconds before a wait raises ``BlinkTimeoutError``.
+    """
+
+    def __init__(self, stock: Mapping[str, Any], process_sets: Mapping[tuple[int, ...], Any], timeout: float) -> None:
+        import torch  # noqa: F401 - this adapter runs inside horovod.torch
+
+        self.stock = stock
+        self.sets = dict(process_sets)
+        self.timeout = timeout
+        self._ops = {"sum": stock["Sum"], "min": stock["Min"], "max": stock["Max"], "product": stock["Product"]}
+
+    def _set(self, ranks: Sequence[int]) -> Any:
+        return self.sets[tuple(ranks)]
+
+    def _wait(self, handle: Any, what: str) -> Any:
+        return wait_horovod(self.stock["poll"], self.stock["synchronize"], handle, self.timeout, what)
+
+    @staticmethod
+    def _tensor(arr: np.ndarray):
+        import torch
+
+        if arr.dtype.name == "bfloat16":
+            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
+
+    def allreduce(self, arr: np.ndarray, op: str, ranks: Sequence[int], name: str) -> None:
+        t = self._tensor(arr)
+        h = self.stock["_allreduce_async"](t, t, name, self._ops[op], 1.0, 1.0, self._set(ranks))
+        self._wait(h, f"cross-server allreduce {name}")
+
+    def broadcast(self, arr: np.ndarray, root: int, ranks: Sequence[int], name: str) -> None:
+        t = self._tensor(arr)
+        h = self.stock["_broadcast_async"](t, t, root, name, self._set(ranks))
+        self._wait(h, f"cross-server broadcast {name}")
+
+    def allgather_rows(self, row: np.ndarray, ranks: Sequence[int], name: str) -> np.ndarray:
+        import torch
+
+        t = torch.from_numpy(np.ascontiguousarray(row).reshape(1, -1))
+        h = self.stock["_allgather_async"](t, t.new(), name, self._set(ranks))
+        out = self._wait(h, f"cross-server metadata {name}")
+        return out.numpy()

@@ -1,0 +1,486 @@
+"""The PyTorch adapter: ``horovod.torch`` with Blink underneath (installed by the import hook).
+
+Horovod's Python layer funnels every collective through a few private
+functions of ``horovod/torch/mpi_ops.py`` -- ``_allreduce_async``,
+``_grouped_allreduce_async``, ``_broadcast_async`` (and ``_allgather_async``,
+``_alltoall_async``, ``_reducescatter_async``, ...) -- and every result
+through ``poll`` / ``synchronize``.  Replacing exactly those (plus ``init``,
+``shutdown``, ``join``, ``barrier``, the timeline switches and
+``DistributedOptimizer``) puts Blink under all of the public API at once:
+``allreduce``/``allreduce_``/``*_async``, grouped allreduces, the autograd
+functions (their backward passes call the same functions),
+``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``,
+``DistributedOptimizer``, elastic state sync.
+
+The adapter is thin: tensors become numpy arrays without copies
+(``Tensor.numpy()`` shares the memory of CPU tensors), Horovod's own argument
+checks run first so that errors keep their class and text, and everything
+else -- ordering, fusion, join, timeouts, the hierarchical data movement --
+is the framework-neutral engine's (:mod:`.engine`).
+
+What Blink does not carry goes to stock Horovod (:mod:`.fallback`): Adasum,
+sparse gradients (allgather), allgather / alltoall / reducescatter, process
+sets other than the whole job, tensors not on the CPU (no GPU runtime in this
+build), and everything while the timeline records.  On the global process
+set those still pass through the engine's ordered rounds, so that ``join``
+and the submission order keep Horovod's semantics.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..config import load_config
+from ..errors import ConfigError
+from .context import BlinkContext, create_context
+from .engine import Handle, StockWaiter, Work
+from .errors_bridge import as_horovod_error
+from .fallback import fallback
+from .layout import layout_from_env
+from .negotiation import Meta
+from .patching import bypassed, originals, replace_everywhere
+from .scaling import needs_scaling, scale_into
+from .torch_cross import TorchCross, wait_horovod
+
+__all__ = ["install", "context", "disabled_reason"]
+
+log = logging.getLogger("blink_horovod.ops")
+
+_PKG = "horovod.torch"
+_lock = threading.RLock()
+_ctx: BlinkContext | None = None
+_reason = "hvd.init() has not been called"
+_recording = False
+_cross_sets: dict[tuple[int, ...], Any] = {}
+_atexit_registered = False
+_mpi_ops: Any = None
+
+
+def context() -> BlinkContext | None:
+    """The live Blink context of ``horovod.torch`` (None before ``init`` or when Blink stays out)."""
+    return _ctx
+
+
+def disabled_reason() -> str:
+    """Why Blink is not carrying collectives right now ("" when it is)."""
+    return "" if _ctx is not None else _reason
+
+
+def _o(name: str) -> Any:
+    return originals("horovod.torch.mpi_ops")[name]
+
+
+# -- tensors <-> numpy ----------------------------------------------------------------------------
+
+_TORCH_DTYPES: dict[Any, str] = {}
+
+
+def _dtype_name(t) -> str | None:
+    import torch
+
+    if not _TORCH_DTYPES:
+        _TORCH_DTYPES.update({
+            torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+            torch.bfloat16: "bfloat16", torch.int32: "int32", torch.int64: "int64", torch.int8: "int8",
+            torch.uint8: "uint8", torch.int16: "int16", torch.bool: "bool",
+        })
+    return _TORCH_DTYPES.get(t.dtype)
+
+
+def _numpy(t) -> np.ndarray:
+    """A numpy view of a contiguous CPU tensor (no copy)."""
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8).numpy()
+    return t.numpy()
+
+
+def _carry_reason(tensors: Sequence[Any], kind: str) -> str:
+    """Why Blink cannot carry these tensors ("" if it can)."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            return f"{t.device.type} tensors (this build has the CPU runtime only)"
+        if t.is_sparse:
+            return "sparse tensors"
+        dt = _dtype_name(t)
+        if dt is None:
+            return f"dtype {t.dtype}"
+        if dt == "bool" and kind != "broadcast":
+            return "bool allreduce"
+        if dt == "bfloat16":
+            try:
+                import ml_dtypes  # noqa: F401
+            except ImportError:
+                return "bfloat16 without ml_dtypes"
+    return ""
+
+
+def _pset_key(process_set) -> tuple[int, ...] | None:
+    """() for the whole job, None for a process set Blink leaves to Horovod."""
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return ()
+    ranks = getattr(process_set, "ranks", None)
+    if ranks is not None and _ctx is not None and sorted(ranks) == list(range(_ctx.layout.size)):
+        return ()
+    return None
+
+
+def _op_name(op) -> str:
+    m = _mpi_ops
+    for name, value in (("sum", m.Sum), ("average", m.Average), ("min", m.Min), ("max", m.Max),
+                        ("product", m.Product), ("adasum", m.Adasum)):
+        if op == value:
+            return name
+    raise ValueError(f"op: unknown Horovod reduction {op!r}")
+
+
+# -- stock Horovod through the engine ---------------------------------------------------------------
+
+class _TorchStockWaiter(StockWaiter):
+    def __init__(self, handle: Any, timeout: float) -> None:
+        self.h = handle
+        self.timeout = timeout
+
+    def poll(self) -> bool:
+        return bool(_o("poll")(self.h))
+
+    def wait(self, timeout: float) -> Any:
+        return wait_horovod(_o("poll"), _o("synchronize"), self.h, timeout, "stock Horovod collective")
+
+
+def _stock(kind: str, detail: str, process_set, submit_stock, name: str | None, tensors: Sequence[Any]):
+    """Hand a collective to stock Horovod: through the engine's order on the global set, directly otherwise."""
+    fallback(kind, detail)
+    ctx = _ctx
+    if ctx is None or _pset_key(process_set) is None:
+        return submit_stock()
+    meta = Meta(kind="stock", name=name, dtypes=tuple(_dtype_name(t) or "uint8" for t in tensors),
+                shapes=tuple(tuple(t.shape) for t in tensors), stock_kind=kind)
+    handle = ctx.engine.new_handle(name)
+    work = Work(meta=meta, handle=handle, submit=lambda: _TorchStockWaiter(submit_stock(), ctx.config.timeout_seconds),
+                keepalive=tuple(tensors))
+    return ctx.engine.submit(work)
+
+
+# -- the replaced functions -------------------------------------------------------------------------------
+
+def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set):
+    orig = _o("_allreduce_async")
+    if bypassed() or _ctx is None:
+        return orig(tensor, output, name, op, prescale_factor, postscale_factor, process_set)
+    return _allreduce_common([tensor], [output], name, op, prescale_factor, postscale_factor, process_set,
+                             lambda: orig(tensor, output, name, op, prescale_factor, postscale_factor, process_set),
+                             grouped=False)
+
+
+def _grouped_allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set):
+    orig = _o("_grouped_allreduce_async")
+    if bypassed() or _ctx is None:
+        return orig(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set)
+    return _allreduce_common(list(tensors), list(outputs), name, op, prescale_factor, postscale_factor, process_set,
+                             lambda: orig(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set),
+                             grouped=True)
+
+
+def _allreduce_common(tensors, outputs, name, op, pre, post, process_set, stock_call, grouped: bool):
+    m = _mpi_ops
+    factory = m._grouped_allreduce_function_factory if grouped else m._allreduce_function_factory
+    m._check_function(factory, tensors[0])  # Horovod's own errors: unsupported type, not contiguous
+    if grouped:
+        for t in tensors[1:]:
+            m._check_function(factory, t)
+        if len({t.device for t in tensors}) > 1:
+            raise ValueError("Tensors in grouped allreduce must all be on the same device")
+    opname = _op_name(op)
+    if opname == "adasum":
+        return _stock("adasum", "Adasum reduction", process_set, stock_call, name, tensors)
+    key = _pset_key(process_set)
+    if key is None:
+        return _stock("process set", "process sets other than the whole job", process_set, stock_call, name, tensors)
+    if _recording:
+        return _stock("timeline", "the timeline is recording", process_set, stock_call, name, tensors)
+    why = _carry_reason(tensors, "allreduce")
+    if why:
+        return _stock(why, why, process_set, stock_call, name, tensors)
+    arrays = []
+    for t, out in zip(tensors, outputs):
+        a_in, a_out = _numpy(t), _numpy(out)
+        if out is not t:
+            if needs_scaling(pre):
+                scale_into(a_out, a_in, pre)
+            else:
+                np.copyto(a_out, a_in)
+        elif needs_scaling(pre):
+            scale_into(a_out, a_out, pre)
+        arrays.append(a_out)
+    meta = Meta(kind="allreduce", name=name, dtypes=tuple(_dtype_name(t) for t in tensors),
+                shapes=tuple(tuple(t.shape) for t in tensors), op=opname, prescale=float(pre),
+                postscale=float(post), process_set=key)
+    ctx = _ctx
+    handle = ctx.engine.new_handle(name)
+    result = tuple(outputs) if grouped else outputs[0]
+    work = Work(meta=meta, handle=handle, arrays=arrays, finish=lambda: result, keepalive=(tensors, outputs))
+    return ctx.engine.submit(work)
+
+
+def _broadcast_async(tensor, output, root_rank, name, process_set):
+    orig = _o("_broadcast_async")
+    if bypassed() or _ctx is None:
+        return orig(tensor, output, root_rank, name, process_set)
+    m = _mpi_ops
+    m._check_function(m._broadcast_function_factory, tensor)
+    stock_call = lambda: orig(tensor, output, root_rank, name, process_set)  # noqa: E731
+    key = _pset_key(process_set)
+    if key is None:
+        return _stock("process set", "process sets other than the whole job", process_set, stock_call, name, [tensor])
+    if _recording:
+        return _stock("timeline", "the timeline is recording", process_set, stock_call, name, [tensor])
+    why = _carry_reason([tensor], "broadcast")
+    if why:
+        return _stock(why, why, process_set, stock_call, name, [tensor])
+    ctx = _ctx
+    if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < ctx.layout.size:
+        raise as_horovod_error(ConfigError(
+            f"root_rank: expected a rank in 0..{ctx.layout.size - 1}, got {root_rank!r}"))
+    a_out = _numpy(output)
+    if output is not tensor:
+        np.copyto(a_out, _numpy(tensor))
+    meta = Meta(kind="broadcast", name=name, dtypes=(_dtype_name(tensor),), shapes=(tuple(tensor.shape),),
+                root=int(root_rank), process_set=key)
+    handle = ctx.engine.new_handle(name)
+    work = Work(meta=meta, handle=handle, arrays=[a_out], finish=lambda: output, keepalive=(tensor, output))
+    return ctx.engine.submit(work)
+
+
+def _stock_passthrough(fn_name: str, kind: str, tensor_at: int, name_at: int, pset_at: int):
+    """A replacement that sends ``fn_name`` to stock Horovod at its place in the engine's order.
+
+    ``*_at`` are the positions of the tensor(s), the name and the process set
+    in the private function's signature (``horovod/torch/mpi_ops.py``).
+    """
+    def replacement(*args, **kwargs):
+        orig = _o(fn_name)
+        if bypassed() or _ctx is None:
+            return orig(*args, **kwargs)
+        tensors = args[tensor_at]
+        tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+        name = args[name_at] if len(args) > name_at else kwargs.get("name")
+        process_set = args[pset_at] if len(args) > pset_at else kwargs.get("process_set")
+        return _stock(kind, f"Blink does not implement {kind}", process_set, lambda: orig(*args, **kwargs),
+                      name if isinstance(name, str) else None, tensors)
+
+    replacement.__name__ = fn_name
+    replacement.__doc__ = f"Blink: ``{fn_name}`` runs on stock Horovod (counted in stats()['fallback'])."
+    return replacement
+
+
+def poll(handle):
+    if isinstance(handle, Handle):
+        return handle.poll()
+    return _o("poll")(handle)
+
+
+def synchronize(handle):
+    if isinstance(handle, Handle):
+        return handle.wait()
+    return _o("synchronize")(handle)
+
+
+def join(device=-1) -> int:
+    if bypassed() or _ctx is None:
+        return _o("join")(device)
+    ctx = _ctx
+    handle = ctx.engine.new_handle(None)
+    ctx.engine.submit(Work(meta=Meta(kind="barrier", name=None, dtypes=(), shapes=()), handle=handle, join=True))
+    return int(handle.wait())
+
+
+def barrier(process_set=None):
+    if process_set is None:
+        process_set = _mpi_ops.global_process_set
+    if bypassed() or _ctx is None or _pset_key(process_set) is None:
+        return _o("barrier")(process_set)
+    ctx = _ctx
+    handle = ctx.engine.new_handle(None)
+    ctx.engine.submit(Work(meta=Meta(kind="barrier", name=None, dtypes=(), shapes=()), handle=handle))
+    handle.wait()
+
+
+def start_timeline(file_path, mark_cycles=False):
+    global _recording
+    result = _o("start_timeline")(file_path, mark_cycles)
+    _recording = True
+    return result
+
+
+def stop_timeline():
+    global _recording
+    result = _o("stop_timeline")()
+    _recording = False
+    return result
+
+
+# -- init / shutdown ------------------------------------------------------------------------------------------
+
+def _split_init_args(args, kwargs):
+    comm = args[0] if len(args) > 0 else kwargs.get("comm")
+    process_sets = args[1] if len(args) > 1 else kwargs.get("process_sets")
+    return comm, process_sets
+
+
+def init(*args, **kwargs):
+    global _ctx, _reason, _recording, _atexit_registered
+    orig = _o("init")
+    with _lock:
+        m = _mpi_ops
+        if _ctx is not None and m.is_initialized():
+            return orig(*args, **kwargs)
+        if _ctx is not None:  # Horovod was shut down behind our back (its atexit): start afresh
+            _close_context()
+        comm, process_sets = _split_init_args(args, kwargs)
+        cfg = load_config()
+        pre = None
+        try:
+            pre = layout_from_env(os.environ)
+        except ConfigError as exc:
+            log.warning("blink: %s", exc)
+        ours: list[Any] = []
+        dynamic = isinstance(process_sets, str) and process_sets.lower() == "dynamic"
+        custom_comm = comm not in (None, []) and not (isinstance(comm, (list, tuple)) and not comm)
+        if pre is not None and pre.multi_server and not custom_comm and not dynamic:
+            user = list(process_sets or [])
+            have = {tuple(ps.ranks) for ps in user if getattr(ps, "ranks", None) is not None}
+            for ranks in pre.all_cross_sets():
+                if tuple(ranks) not in have:
+                    ours.append(m.ProcessSet(ranks))
+            process_sets = user + ours
+        orig(comm, process_sets=process_sets) if process_sets is not None else orig(comm)
+        _recording = bool(os.environ.get("HOROVOD_TIMELINE")) and os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC"
+        if custom_comm:
+            _reason = "hvd.init(comm=...) with a custom communicator"
+            return
+        _cross_sets.clear()
+        for ps in list(process_sets or []) if not dynamic else []:
+            if getattr(ps, "ranks", None) is not None and ps.process_set_id is not None:
+                _cross_sets[tuple(ps.ranks)] = ps
+
+        def cross_factory(layout):
+            for ranks in layout.all_cross_sets():
+                if tuple(ranks) not in _cross_sets:
+                    try:
+                        _cross_sets[tuple(ranks)] = m.add_process_set(ranks)
+                    except Exception as exc:  # static sets and no HOROVOD_DYNAMIC_PROCESS_SETS
+                        log.warning("blink: cannot add process set %s: %s", ranks, exc)
+                        return None
+            stock = {n: _o(n) for n in ("_allreduce_async", "_broadcast_async", "_allgather_async", "poll",
+                                        "synchronize")}
+            stock.update(Sum=m.Sum, Min=m.Min, Max=m.Max, Product=m.Product)
+            return TorchCross(stock, _cross_sets, cfg.timeout_seconds)
+
+        ctx, reason = create_context(_StockView(m), cross_factory, cfg)
+        _ctx, _reason = ctx, reason
+        if ctx is None:
+            log.warning("blink: Blink stays out of this job, stock Horovod runs every collective: %s", reason)
+        if not _atexit_registered:
+            atexit.register(_close_context)
+            _atexit_registered = True
+
+
+class _StockView:
+    """Stock horovod.torch as :class:`.context.HorovodView` (allgather_object bypasses Blink)."""
+
+    def __init__(self, m) -> None:
+        self.m = m
+
+    def rank(self) -> int:
+        return self.m.rank()
+
+    def size(self) -> int:
+        return self.m.size()
+
+    def local_rank(self) -> int:
+        return self.m.local_rank()
+
+    def local_size(self) -> int:
+        return self.m.local_size()
+
+    def is_homogeneous(self) -> bool:
+        return bool(self.m.is_homogeneous())
+
+    def allgather_object(self, obj):
+        from horovod.torch.functions import allgather_object
+
+        from .patching import bypass
+
+        with bypass():
+            return allgather_object(obj, name="blink.setup")
+
+
+def _close_context() -> None:
+    global _ctx, _reason
+    with _lock:
+        ctx, _ctx = _ctx, None
+        _reason = "Horovod has been shut down"
+    if ctx is not None:
+        ctx.close()
+
+
+def shutdown(*args, **kwargs):
+    _close_context()
+    return _o("shutdown")(*args, **kwargs)
+
+
+# -- installation -------------------------------------------------------------------------------------------------
+
+_REPLACED = {
+    "_allreduce_async": _allreduce_async,
+    "_grouped_allreduce_async": _grouped_allreduce_async,
+    "_broadcast_async": _broadcast_async,
+    # (tensor, output, name, process_set)
+    "_allgather_async": _stock_passthrough("_allgather_async", "allgather", 0, 2, 3),
+    "_grouped_allgather_async": _stock_passthrough("_grouped_allgather_async", "allgather", 0, 2, 3),
+    # (tensor, splits, output, output_received_splits, name, process_set)
+    "_alltoall_async": _stock_passthrough("_alltoall_async", "alltoall", 0, 4, 5),
+    # (tensor, output, name, op, process_set, prescale_factor, postscale_factor)
+    "_reducescatter_async": _stock_passthrough("_reducescatter_async", "reducescatter", 0, 2, 4),
+    "_grouped_reducescatter_async": _stock_passthrough("_grouped_reducescatter_async", "reducescatter", 0, 2, 4),
+    "poll": poll,
+    "synchronize": synchronize,
+    "join": join,
+    "barrier": barrier,
+    "start_timeline": start_timeline,
+    "stop_timeline": stop_timeline,
+    "init": init,
+    "shutdown": shutdown,
+}
+
+
+def install(module: Any = None) -> None:
+    """Patch ``horovod.torch`` (already imported) so that its collectives run through Blink."""
+    global _mpi_ops
+    mpi_ops = sys.modules["horovod.torch.mpi_ops"]
+    if getattr(mpi_ops, "_blink_installed", False):
+        return
+    _mpi_ops = mpi_ops
+    for name, fn in _REPLACED.items():
+        if hasattr(mpi_ops, name):
+            replace_everywhere(_PKG, mpi_ops, name, fn)
+    from . import torch_optimizer
+
+    torch_optimizer.install()
+    mpi_ops._blink_installed = True
+    if mpi_ops.is_initialized():  # the hook came late: take over the running job
+        init()
