@@ -133,6 +133,7 @@ class Communicator:
             raise ConfigError(f"topology: {self.topology.name!r} has {self.topology.n} GPUs, the server {local_size} ranks")
         self.rendezvous = rendezvous
         self._planner = planner or _default_planner(self.config)
+        self._topology_hash = self.topology.content_hash()[:16]
         self._plans: dict[tuple[str, int | None], tuple[Plan, str]] = {}
         self._programs: "OrderedDict[tuple, Any]" = OrderedDict()
         self._chunks = ChunkChooser(self.config.chunk_bytes)
@@ -158,29 +159,26 @@ class Communicator:
         return ShmTransport(self.local_rank, self.local_size, job, ctx, pids=pids)
 
     # -- plans and programs ------------------------------------------------------
-    def plan(self, collective: str, root: int | None = None) -> Plan:
-        """The plan of ``collective`` (root: a local rank), the same on every rank.
+    def plan(self, collective: str, root: int | None = None) -> Plan | None:
+        """The plan in use for ``collective`` (root: a local rank); None before its first call.
 
-        Local rank 0 plans (or reads the cache) and shares the plan through the
-        rendezvous, so every rank executes one plan even if planning were not
-        deterministic.  Called in the same order on every rank.
+        Plans are made by local rank 0 (or read from the plan cache) and travel
+        to the other ranks inside the first collective's metadata exchange
+        (:meth:`_run`), so every rank executes one plan, and ranks that
+        disagree about the collective get a MismatchError, not a plan exchange
+        that never meets.
         """
-        return self._plan_entry(collective, root)[0]
+        entry = self._plans.get((collective, root))
+        return entry[0] if entry else None
 
-    def _plan_entry(self, collective: str, root: int | None) -> tuple[Plan, str]:
-        key = (collective, root)
-        entry = self._plans.get(key)
-        if entry is not None:
-            return entry
+    def _make_plan(self, collective: str, root: int | None) -> Plan:
         gpu_root = None if root is None else self.topology.gpus[root]
-        if self.local_size == 1 or self.rendezvous is None:
-            plan = self._planner(self.topology, collective, gpu_root)
-        else:
-            mine = self._planner(self.topology, collective, gpu_root).to_dict() if self.local_rank == 0 else None
-            plan = Plan.from_dict(self.rendezvous.allgather(mine)[0])
+        return self._planner(self.topology, collective, gpu_root)
+
+    def _adopt_plan(self, key: tuple[str, int | None], plan: Plan) -> tuple[Plan, str]:
         if tuple(plan.gpus) != tuple(self.topology.gpus):
             raise BlinkInternalError(
-                f"plan for {collective}: gpus {list(plan.gpus)} are not the topology's {list(self.topology.gpus)} in order"
+                f"plan for {key[0]}: gpus {list(plan.gpus)} are not the topology's {list(self.topology.gpus)} in order"
             )
         digest = hashlib.sha1(plan.to_json(indent=None).encode()).hexdigest()[:16]
         entry = self._plans[key] = (plan, digest)
@@ -216,9 +214,10 @@ class Communicator:
         return arr.reshape(-1), dtype_name(arr.dtype)
 
     def _checked(self, collective: str, name: str | None, arr: np.ndarray, dtype: str, op: str | None,
-                 root: int | None, digest: str) -> dict[str, Any]:
+                 root: int | None) -> dict[str, Any]:
+        # "plan" compares the topology every rank plans on (BLINK_TOPOLOGY must agree).
         return {"collective": collective, "name": name or "", "dtype": dtype, "shape": list(arr.shape),
-                "op": op, "root": root, "plan": digest}
+                "op": op, "root": root, "plan": self._topology_hash}
 
     def _label(self, collective: str, name: str | None) -> str:
         seq = (self._executor.seq + 1) if self._executor else 0
@@ -231,19 +230,27 @@ class Communicator:
 
     def _run(self, collective: str, name: str | None, arr: np.ndarray, flat: np.ndarray, dtype: str, op: str,
              root: int | None, plan_key: tuple[str, int | None], make_pieces) -> None:
-        plan, digest = self._plan_entry(*plan_key)
+        entry = self._plans.get(plan_key)
         nbytes = flat.nbytes
         bucket = (collective, bucket_of(nbytes))
-        extras = {"t": self._last_seconds.get(bucket)}
+        extras: dict[str, Any] = {"t": self._last_seconds.get(bucket)}
+        if entry is None and self.local_rank == 0:
+            # Every rank knows this plan is new (same history); rank 0's rides along.
+            try:
+                extras["plan"] = self._make_plan(*plan_key).to_dict()
+            except BaseException as exc:
+                self._executor.fail(exc)  # type: ignore[union-attr]  # peers raise now, not at their timeout
+                raise
         itemsize = flat.dtype.itemsize
 
         def build(all_extras: list[dict[str, Any]]) -> list[Piece]:
+            plan, digest = entry if entry is not None else self._adopt_plan(plan_key, Plan.from_dict(all_extras[0]["plan"]))
             chunk = self._chunk_elems(all_extras, nbytes, itemsize)
             return make_pieces(plan, digest, chunk)
 
         started = time.perf_counter()
         self._executor.collective(  # type: ignore[union-attr]
-            self._label(collective, name), self._checked(collective, name, arr, dtype, op, root, digest), extras,
+            self._label(collective, name), self._checked(collective, name, arr, dtype, op, root), extras,
             flat, dtype, op, build,
         )
         self._last_seconds[bucket] = time.perf_counter() - started

@@ -166,6 +166,12 @@ class Executor:
             self.t.abort(exc)
             raise
 
+    def fail(self, exc: BaseException) -> None:
+        """Mark this rank failed and tell the peers (an error outside a collective's run)."""
+        if self.failed is None:
+            self.failed = exc
+            self.t.abort(exc)
+
     def _typed_views(self, dtype: str) -> list[np.ndarray]:
         views = self._views.get(dtype)
         if views is None:

@@ -198,3 +198,20 @@ def test_fault_specs_parse(text, spec) -> None:
 def test_bad_fault_specs_name_the_variable(text) -> None:
     with pytest.raises(ConfigError, match="BLINK_FAULT"):
         parse_fault(text)
+
+
+def test_a_planner_failure_on_rank_0_fails_every_rank_fast() -> None:
+    from blink_horovod.errors import PlanError
+
+    def planner(topology, collective, root):
+        raise PlanError("plan: no tree spans the allocation")
+
+    def body(r, comm):
+        comm.allreduce(np.ones(10, np.float32))
+
+    start = time.monotonic()
+    errors = rank_errors(3, body, env=FAST, planner=planner)
+    assert time.monotonic() - start < 1.5
+    assert isinstance(errors[0], PlanError)
+    for e in errors[1:]:
+        assert isinstance(e, BlinkInternalError) and "rank 0 failed: plan: no tree spans" in str(e), e
