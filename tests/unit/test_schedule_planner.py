@@ -27,8 +27,9 @@ make_plan = getattr(planner, "make_plan", None)
 if make_plan is None:  # the planner is written in parallel (issue 2)
     pytest.skip("blink_horovod.planner.make_plan has not landed yet", allow_module_level=True)
 
-# (count, chunk_elems): non-divisible by n and by the chunk; one chunk per tree; many chunks.
-SIZES = ((1001, 64), (4099, 4099), (10007, 97))
+# (count, chunk_elems): divisible neither by n nor by the chunk (many chunks per tree, a short
+# last one); one chunk per tree.
+SIZES = ((1001, 64), (4099, 4099))
 
 
 def connected_allocations(name: str) -> list[tuple[int, ...]]:
@@ -56,7 +57,7 @@ def compile_and_check(plan, counts=SIZES) -> int:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("machine", ["dgx1v", "dgx1p"])
+@pytest.mark.parametrize("machine", ["dgx1v", pytest.param("dgx1p", marks=pytest.mark.slow)])
 def test_every_connected_allocation_compiles_and_checks(machine: str) -> None:
     allocs = connected_allocations(machine)
     assert len(allocs) == 181
