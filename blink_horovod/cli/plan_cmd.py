@@ -74,9 +74,8 @@ def run(args: argparse.Namespace) -> int:
         if not folder.is_dir():
             raise ConfigError(f"--output: cannot write {args.output!r}: no such folder {str(folder)!r}")
 
-    from ..planner.cache import (
-        get_plan,  # after the input checks: a miss imports the planner
-    )
+    # Imported after the input checks; only a cache miss imports the solvers.
+    from ..planner.cache import get_plan
 
     result = get_plan(topo, args.collective, root, channels)
     plan = result.plan
