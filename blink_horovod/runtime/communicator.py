@@ -137,7 +137,7 @@ class Communicator:
         self._plans: dict[tuple[str, int | None], tuple[Plan, str]] = {}
         self._programs: "OrderedDict[tuple, Any]" = OrderedDict()
         self._chunks = ChunkChooser(self.config.chunk_bytes)
-        self._last_seconds: dict[tuple[str, int], float] = {}
+        self._last_rate: dict[tuple[str, int], float] = {}
         self._lock = threading.Lock()
         if transport is None and local_size > 1:
             transport = self._make_transport()
@@ -224,8 +224,8 @@ class Communicator:
         return f"{collective} {name!r} (collective {seq})" if name else f"{collective} (collective {seq})"
 
     def _chunk_elems(self, all_extras: list[dict[str, Any]], nbytes: int, itemsize: int) -> int:
-        times = [e.get("t") for e in all_extras if e.get("t") is not None]
-        agreed = max(times) if len(times) == len(all_extras) else None
+        rates = [e.get("t") for e in all_extras]
+        agreed = min(rates) if all(isinstance(x, (int, float)) for x in rates) else None
         return max(1, self._chunks.chunk_bytes(nbytes, agreed) // itemsize)
 
     def _run(self, collective: str, name: str | None, arr: np.ndarray, flat: np.ndarray, dtype: str, op: str,
@@ -233,7 +233,8 @@ class Communicator:
         entry = self._plans.get(plan_key)
         nbytes = flat.nbytes
         bucket = (collective, bucket_of(nbytes))
-        extras: dict[str, Any] = {"t": self._last_seconds.get(bucket)}
+        # "t": this rank's throughput (bytes/s) of the previous message of the bucket.
+        extras: dict[str, Any] = {"t": self._last_rate.pop(bucket, None)}
         if entry is None and self.local_rank == 0:
             # Every rank knows this plan is new (same history); rank 0's rides along.
             try:
@@ -248,12 +249,13 @@ class Communicator:
             chunk = self._chunk_elems(all_extras, nbytes, itemsize)
             return make_pieces(plan, digest, chunk)
 
-        started = time.perf_counter()
-        self._executor.collective(  # type: ignore[union-attr]
+        ex = self._executor
+        ex.collective(  # type: ignore[union-attr]
             self._label(collective, name), self._checked(collective, name, arr, dtype, op, root), extras,
             flat, dtype, op, build,
         )
-        self._last_seconds[bucket] = time.perf_counter() - started
+        if ex.last_setup_free and ex.last_run_seconds > 0:  # type: ignore[union-attr]
+            self._last_rate[bucket] = nbytes / ex.last_run_seconds  # type: ignore[union-attr]
 
     # -- the collectives -------------------------------------------------------------
     def allreduce(self, arr: np.ndarray, op: str = "sum", name: str | None = None) -> np.ndarray:

@@ -29,6 +29,7 @@ this rank) and leaves the executor unusable, as an aborted NCCL communicator.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -104,6 +105,11 @@ class Executor:
         self._views: dict[str, list[np.ndarray]] = {}
         self.faults = FaultInjector.from_config(fault, self.rank, self._peer_failed)
         self.chunk_ops = 0
+        # Timing of the last collective's data movement, for the chunk tuner: from
+        # after buffer growth to the end; setup_free is False when it compiled a new
+        # program or grew buffers (one-time costs that must not steer the tuner).
+        self.last_run_seconds = 0.0
+        self.last_setup_free = False
 
     # -- the collective --------------------------------------------------------
     def collective(
@@ -129,13 +135,17 @@ class Executor:
             self.seq += 1
             payloads = self.t.exchange_meta(self.seq, metadata.encode(checked, extras), ctx)
             all_extras = metadata.check_agreement(payloads, self.seq)
+            known = len(self._lowered)
             pieces = list(build(all_extras))
             lowered = [self._lower(p) for p in pieces]
+            fresh = len(self._lowered) != known
             itemsize = numpy_dtype(dtype).itemsize
             need_bytes = max((p.program.count for p in pieces), default=0) * itemsize
             need_flags = max((lw.nflags for lw in lowered), default=0)
-            if self.t.reserve(need_bytes, need_flags, ctx):
+            grew = self.t.reserve(need_bytes, need_flags, ctx)
+            if grew:
                 self._views.clear()
+            started = time.perf_counter()
             views = self._typed_views(dtype)
             own = views[self.rank]
             prev: _Lowered | None = None
@@ -160,6 +170,8 @@ class Executor:
                     for a, b, n in piece.stage_out:
                         arr[a : a + n] = own[b : b + n]
                 prev = lw
+            self.last_run_seconds = time.perf_counter() - started
+            self.last_setup_free = not (grew or fresh)
             return all_extras
         except BaseException as exc:
             self.failed = exc

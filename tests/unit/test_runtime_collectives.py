@@ -189,3 +189,20 @@ def test_single_rank_is_the_identity() -> None:
     assert comm.reduce_to_roots(x) == (0, 10)
     np.testing.assert_array_equal(x, np.arange(10))
     comm.close()
+
+
+def test_miad_tunes_the_chunk_the_same_on_every_rank() -> None:
+    count = 1 << 18  # 1 MiB of float32: MIAD starts at 1 MiB, tries smaller sizes after
+
+    def body(r, comm):
+        sizes = []
+        for i in range(16):
+            x = values(r, count, "float32", "sum", seed=i % 2)
+            comm.allreduce(x)
+            np.testing.assert_array_equal(x, expected(4, count, "float32", "sum", seed=i % 2))
+            sizes.append(dict(comm.chunk_sizes()))
+        return sizes
+
+    per_rank = run_loopback(4, body)
+    assert all(s == per_rank[0] for s in per_rank)  # every rank took the same decisions
+    assert 1 << 20 in per_rank[0][-1]
