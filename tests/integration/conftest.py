@@ -326,8 +326,9 @@ class RankGroup:
 class RankLauncher:
     """Starts groups of ranks for one test and cleans up after it."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, plan_cache: Path | None = None) -> None:
         self.folder = folder
+        self.plan_cache = plan_cache or folder / "plan-cache"
         self.groups: list[RankGroup] = []
         self.shm_before = blink_shm_entries()
 
@@ -371,7 +372,7 @@ class RankLauncher:
             RELIABILITY_PARAMS=json.dumps(params or {}),
             BLINK_TIMEOUT_SECONDS=f"{timeout_seconds:g}",
             BLINK_STALL_CHECK_SECONDS=f"{stall_seconds:g}",
-            BLINK_PLAN_CACHE=str(self.folder / "plan-cache"),
+            BLINK_PLAN_CACHE=str(self.plan_cache),
             # ranks outnumber cores here; keep numpy/BLAS from spawning threads per rank
             OMP_NUM_THREADS="1",
             OPENBLAS_NUM_THREADS="1",
@@ -415,9 +416,15 @@ class RankLauncher:
         return sorted(leaked), left
 
 
+@pytest.fixture(scope="session")
+def plan_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One plan cache for the session: each cpuN plan is made once, as in a real job's cache."""
+    return tmp_path_factory.mktemp("plan-cache")
+
+
 @pytest.fixture
-def ranks(tmp_path: Path) -> Iterator[RankLauncher]:
-    launcher = RankLauncher(tmp_path)
+def ranks(tmp_path: Path, plan_cache_dir: Path) -> Iterator[RankLauncher]:
+    launcher = RankLauncher(tmp_path, plan_cache_dir)
     yield launcher
     leaked, left = launcher.close()
     for name in leaked:  # do not let one leak fail the next tests too
