@@ -23,6 +23,7 @@ once per process.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -77,6 +78,8 @@ def parse_fault(text: str) -> FaultSpec:
             seconds = float(fields["seconds"])
         except ValueError:
             raise ConfigError(f"{BLINK_FAULT}: seconds must be a number, got {fields['seconds']!r}") from None
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ConfigError(f"{BLINK_FAULT}: seconds must be a finite number >= 0, got {fields['seconds']!r}")
     return FaultSpec(action, _int("after"), _int("rank") if "rank" in fields else None, seconds)
 
 

@@ -339,3 +339,40 @@ def test_sized_machine_too_large_is_refused_quickly() -> None:
     # cpu100000 would build ~5e9 links (hours, all memory): a clear error instead.
     with pytest.raises(TopologyError, match="cpu100000"):
         machine("cpu100000")
+
+
+# -- the fault-injection hook's variable (BLINK_FAULT) -------------------------------------
+
+fault_texts = st.one_of(
+    st.text(max_size=30),
+    st.tuples(
+        st.sampled_from(["kill", "raise", "stall", "corrupt", "KILL", "explode", ""]),
+        st.lists(
+            st.tuples(st.sampled_from(["after", "rank", "seconds", "bogus", ""]),
+                      st.sampled_from(["=", "", "=="]),
+                      st.one_of(st.sampled_from(["0", "3", "-1", "x", "1.5", "nan", "inf", "9" * 5000, ""]), st.text(max_size=4)))
+            .map("".join),
+            max_size=4,
+        ),
+    ).map(lambda t: ":".join([t[0], *t[1]])),
+)
+
+
+@FUZZ
+@given(fault_texts)
+@example("stall:after=1:seconds=nan")
+@example("stall:after=1:seconds=-1")
+@example("kill:after=" + "9" * 5000)
+def test_parse_fault_parses_or_raises_config_error(text: str) -> None:
+    try:
+        from blink_horovod.runtime.faults import FAULT_ACTIONS, parse_fault
+    except ImportError:
+        pytest.skip("the runtime's fault hook is not in this checkout yet")
+    try:
+        spec = parse_fault(text)
+    except ConfigError as exc:
+        assert "BLINK_FAULT" in str(exc)
+        return
+    assert spec.action in FAULT_ACTIONS and spec.after >= 0
+    assert spec.rank is None or spec.rank >= 0
+    assert math.isfinite(spec.seconds) and spec.seconds >= 0, spec
