@@ -24,7 +24,8 @@ from .fusion import fusion_threshold
 from .hierarchical import CrossTransport, Hierarchy
 from .layout import Layout, layout_from_horovod
 
-__all__ = ["HorovodView", "BlinkContext", "create_context", "configure_logging"]
+__all__ = ["HorovodView", "BlinkContext", "create_context", "configure_logging", "InitPlan", "plan_init",
+           "cross_sets_after_init"]
 
 log = logging.getLogger("blink_horovod.ops")
 
@@ -118,6 +119,67 @@ def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTran
              layout.server, layout.num_servers, layout.local_size,
              comm.topology.name if comm is not None else "-")
     return BlinkContext(layout, cfg, engine, comm, rdv, cross), ""
+
+
+@dataclass
+class InitPlan:
+    """How ``hvd.init`` is called under Blink: the user's process sets plus the cross-server ones."""
+
+    process_sets: Any
+    dynamic: bool
+    custom_comm: bool
+
+
+def plan_init(ProcessSet: Any, comm: Any, process_sets: Any) -> InitPlan:
+    """Add the cross-server process sets (one per local rank) to the user's ``hvd.init`` arguments.
+
+    Static process sets must be known at ``init`` (Horovod creates them
+    there), so the layout comes from the launcher's variables
+    (:func:`.layout.layout_from_env`); with ``process_sets="dynamic"`` they are
+    added after ``init`` instead.  A custom communicator (``comm=``) keeps
+    Blink out of the job.
+    """
+    import os
+
+    from ..errors import ConfigError
+    from .layout import layout_from_env
+
+    dynamic = isinstance(process_sets, str) and process_sets.lower() == "dynamic"
+    custom_comm = not (comm is None or (isinstance(comm, (list, tuple)) and len(comm) == 0))
+    try:
+        pre = layout_from_env(os.environ)
+    except ConfigError as exc:
+        log.warning("blink: %s", exc)
+        pre = None
+    if pre is None or not pre.multi_server or custom_comm or dynamic:
+        return InitPlan(process_sets, dynamic, custom_comm)
+    user = list(process_sets or [])
+    have = {tuple(ps.ranks) for ps in user if getattr(ps, "ranks", None) is not None}
+    ours = [ProcessSet(r) for r in pre.all_cross_sets() if tuple(r) not in have]
+    return InitPlan(user + ours, dynamic, custom_comm)
+
+
+def cross_sets_after_init(plan: InitPlan) -> dict[tuple[int, ...], Any]:
+    """``tuple(ranks) -> ProcessSet`` of every static set that Horovod initialised."""
+    out: dict[tuple[int, ...], Any] = {}
+    if plan.dynamic or not plan.process_sets:
+        return out
+    for ps in plan.process_sets:
+        if getattr(ps, "ranks", None) is not None and ps.process_set_id is not None:
+            out[tuple(ps.ranks)] = ps
+    return out
+
+
+def add_missing_sets(layout: Layout, sets: dict, add_process_set: Callable[[list[int]], Any]) -> bool:
+    """Add (dynamically) the cross-server sets ``sets`` lacks; False if Horovod refuses."""
+    for ranks in layout.all_cross_sets():
+        if tuple(ranks) not in sets:
+            try:
+                sets[tuple(ranks)] = add_process_set(ranks)
+            except Exception as exc:  # static process sets and no HOROVOD_DYNAMIC_PROCESS_SETS
+                log.warning("blink: cannot add process set %s: %s", ranks, exc)
+                return False
+    return True
 
 
 def _env() -> dict:

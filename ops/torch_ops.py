@@ -39,11 +39,10 @@ import numpy as np
 
 from ..config import load_config
 from ..errors import ConfigError
-from .context import BlinkContext, create_context
+from .context import BlinkContext, add_missing_sets, create_context, cross_sets_after_init, plan_init
 from .engine import Handle, StockWaiter, Work
 from .errors_bridge import as_horovod_error
 from .fallback import fallback
-from .layout import layout_from_env
 from .negotiation import Meta
 from .patching import bypassed, originals, replace_everywhere
 from .scaling import needs_scaling, scale_into
@@ -352,39 +351,18 @@ def init(*args, **kwargs):
             _close_context()
         comm, process_sets = _split_init_args(args, kwargs)
         cfg = load_config()
-        pre = None
-        try:
-            pre = layout_from_env(os.environ)
-        except ConfigError as exc:
-            log.warning("blink: %s", exc)
-        ours: list[Any] = []
-        dynamic = isinstance(process_sets, str) and process_sets.lower() == "dynamic"
-        custom_comm = comm not in (None, []) and not (isinstance(comm, (list, tuple)) and not comm)
-        if pre is not None and pre.multi_server and not custom_comm and not dynamic:
-            user = list(process_sets or [])
-            have = {tuple(ps.ranks) for ps in user if getattr(ps, "ranks", None) is not None}
-            for ranks in pre.all_cross_sets():
-                if tuple(ranks) not in have:
-                    ours.append(m.ProcessSet(ranks))
-            process_sets = user + ours
-        orig(comm, process_sets=process_sets) if process_sets is not None else orig(comm)
+        plan = plan_init(m.ProcessSet, comm, process_sets)
+        orig(comm, process_sets=plan.process_sets)
         _recording = bool(os.environ.get("HOROVOD_TIMELINE")) and os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC"
-        if custom_comm:
+        if plan.custom_comm:
             _reason = "hvd.init(comm=...) with a custom communicator"
             return
         _cross_sets.clear()
-        for ps in list(process_sets or []) if not dynamic else []:
-            if getattr(ps, "ranks", None) is not None and ps.process_set_id is not None:
-                _cross_sets[tuple(ps.ranks)] = ps
+        _cross_sets.update(cross_sets_after_init(plan))
 
         def cross_factory(layout):
-            for ranks in layout.all_cross_sets():
-                if tuple(ranks) not in _cross_sets:
-                    try:
-                        _cross_sets[tuple(ranks)] = m.add_process_set(ranks)
-                    except Exception as exc:  # static sets and no HOROVOD_DYNAMIC_PROCESS_SETS
-                        log.warning("blink: cannot add process set %s: %s", ranks, exc)
-                        return None
+            if not add_missing_sets(layout, _cross_sets, m.add_process_set):
+                return None
             stock = {n: _o(n) for n in ("_allreduce_async", "_broadcast_async", "_allgather_async", "poll",
                                         "synchronize")}
             stock.update(Sum=m.Sum, Min=m.Min, Max=m.Max, Product=m.Product)

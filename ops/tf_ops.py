@@ -1,0 +1,543 @@
+"""The TensorFlow adapter: ``horovod.tensorflow`` with Blink underneath (installed by the import hook).
+
+Horovod's TensorFlow collectives are C++ graph ops (``MPI_LIB.horovod_allreduce``
+...).  Blink needs no C++ op of its own (../shared/DESIGN.md, "Tensors cross
+without copies"): eagerly, tensors go to numpy and through the engine
+directly; inside graphs (``tf.function``, Keras ``fit``) the collective is a
+``tf.py_function`` whose body does the same.  Graph ops without data
+dependencies may run in any order, but Blink needs one order on every rank,
+so the py_functions of one graph are chained by control dependencies in
+construction order -- which is program order, the same on every rank.
+Gradients are Horovod's: the gradient of an allreduce is the same allreduce
+of the upstream gradient (``tf.custom_gradient``); of a broadcast, an
+averaged allreduce kept on the root only.
+
+Replaced: ``_allreduce``, ``_grouped_allreduce``, ``broadcast``,
+``broadcast_`` (in-place variables), ``join``, ``init``, ``shutdown``, the
+timeline switches, and the gradient-allreduce factory behind
+``DistributedOptimizer`` / ``DistributedGradientTape`` /
+``horovod.tensorflow.keras.DistributedOptimizer``, which becomes one grouped
+collective per step (Blink fuses it per dtype).  Stock Horovod keeps
+allgather, alltoall, reducescatter, ``tf.IndexedSlices`` gradients, Adasum,
+process sets other than the whole job, XLA-compiled functions and anything
+while the timeline records (counted in ``stats()["fallback"]``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..config import load_config
+from ..errors import ConfigError
+from .context import BlinkContext, add_missing_sets, create_context, cross_sets_after_init, plan_init
+from .engine import Work
+from .errors_bridge import as_horovod_error
+from .fallback import fallback
+from .negotiation import Meta
+from .patching import bypass, bypassed, originals, replace_everywhere
+from .scaling import needs_scaling, scale_into
+
+__all__ = ["install", "context", "disabled_reason"]
+
+log = logging.getLogger("blink_horovod.ops")
+
+_PKG = "horovod.tensorflow"
+_lock = threading.RLock()
+_ctx: BlinkContext | None = None
+_reason = "hvd.init() has not been called"
+_recording = False
+_cross_sets: dict[tuple[int, ...], Any] = {}
+_atexit_registered = False
+_m: Any = None        # horovod.tensorflow.mpi_ops
+_pkg: Any = None      # horovod.tensorflow
+_chain: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+_TF_NAMES = {"float32": "float32", "float64": "float64", "float16": "float16", "bfloat16": "bfloat16",
+             "int32": "int32", "int64": "int64", "int8": "int8", "uint8": "uint8", "int16": "int16", "bool": "bool"}
+
+
+def context() -> BlinkContext | None:
+    """The live Blink context of ``horovod.tensorflow`` (None before ``init`` or when Blink stays out)."""
+    return _ctx
+
+
+def disabled_reason() -> str:
+    return "" if _ctx is not None else _reason
+
+
+def _o(name: str) -> Any:
+    return originals("horovod.tensorflow.mpi_ops")[name]
+
+
+def _tf():
+    import tensorflow as tf
+
+    return tf
+
+
+def _eager() -> bool:
+    return _tf().executing_eagerly()
+
+
+def _op_name(op) -> str:
+    for name in ("Sum", "Average", "Min", "Max", "Product", "Adasum"):
+        if op == getattr(_m, name):
+            return name.lower()
+    raise ValueError(f"op: unknown Horovod reduction {op!r}")
+
+
+def _pset_key(process_set) -> tuple[int, ...] | None:
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return ()
+    ranks = getattr(process_set, "ranks", None)
+    if ranks is not None and _ctx is not None and sorted(ranks) == list(range(_ctx.layout.size)):
+        return ()
+    return None
+
+
+def _carry_reason(tensors: Sequence[Any], kind: str) -> str:
+    tf = _tf()
+    for t in tensors:
+        if isinstance(t, tf.IndexedSlices):
+            return "tf.IndexedSlices (sparse gradients)"
+        dev = getattr(t, "device", "") or ""
+        if "GPU" in dev.upper():
+            return "GPU tensors (this build has the CPU runtime only)"
+        name = t.dtype.name
+        if name not in _TF_NAMES:
+            return f"dtype {name}"
+        if name == "bool" and kind != "broadcast":
+            return "bool allreduce"
+    try:
+        from tensorflow.python.eager import context as _ectx  # noqa: F401
+        graph = tf.compat.v1.get_default_graph()
+        if getattr(graph, "_xla_compile", False) or getattr(graph, "_jit_compile", False):
+            return "XLA-compiled functions"
+    except Exception:  # pragma: no cover - private TF attributes
+        pass
+    return ""
+
+
+def _why_stock(tensors, op_name: str | None, process_set, kind: str) -> str:
+    if _ctx is None:
+        return "-"
+    if op_name == "adasum":
+        return "adasum"
+    if _pset_key(process_set) is None:
+        return "process set"
+    if _recording:
+        return "timeline"
+    return _carry_reason(tensors, kind)
+
+
+# -- the numpy core (eager; also the body of the graph's py_functions) ------------------------------------
+
+def _as_array(x) -> np.ndarray:
+    """A writable numpy array holding ``x`` (EagerTensor or array); bool is carried as uint8."""
+    a = np.array(x, copy=True, order="C")
+    if a.dtype == np.bool_:
+        a = a.view(np.uint8)
+    return a
+
+
+def _run_allreduce(values: Sequence[Any], name: str | None, opname: str, pre: float, post: float) -> list[np.ndarray]:
+    ctx = _ctx
+    if ctx is None:
+        raise as_horovod_error(ConfigError("Blink: horovod.tensorflow is not initialised (hvd.init())"))
+    arrays = [_as_array(v) for v in values]
+    if needs_scaling(pre):
+        for a in arrays:
+            scale_into(a, a, pre)
+    meta = Meta(kind="allreduce", name=name, dtypes=tuple(_dtype_of(v) for v in values),
+                shapes=tuple(tuple(a.shape) for a in arrays), op=opname, prescale=float(pre), postscale=float(post))
+    handle = ctx.engine.new_handle(name)
+    ctx.engine.submit(Work(meta=meta, handle=handle, arrays=arrays, finish=lambda: arrays))
+    return handle.wait()
+
+
+def _run_broadcast(values: Sequence[Any], root: int, name: str | None) -> list[np.ndarray]:
+    ctx = _ctx
+    if ctx is None:
+        raise as_horovod_error(ConfigError("Blink: horovod.tensorflow is not initialised (hvd.init())"))
+    if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < ctx.layout.size:
+        raise as_horovod_error(ConfigError(f"root_rank: expected a rank in 0..{ctx.layout.size - 1}, got {root!r}"))
+    arrays = [_as_array(v) for v in values]
+    meta = Meta(kind="broadcast", name=name, dtypes=tuple(_dtype_of(v) for v in values),
+                shapes=tuple(tuple(a.shape) for a in arrays), root=int(root))
+    handle = ctx.engine.new_handle(name)
+    ctx.engine.submit(Work(meta=meta, handle=handle, arrays=arrays, finish=lambda: arrays))
+    return handle.wait()
+
+
+def _dtype_of(v) -> str:
+    dt = getattr(v, "dtype", None)
+    name = getattr(dt, "name", None) or np.asarray(v).dtype.name
+    return _TF_NAMES.get(name, name)
+
+
+def _restore(arr: np.ndarray, like) -> np.ndarray:
+    return arr.view(np.bool_) if like.dtype.name == "bool" else arr
+
+
+# -- graph plumbing ----------------------------------------------------------------------------------------
+
+def _py_collective(fn, tensors: Sequence[Any]):
+    """Run ``fn(list_of_numpy) -> list_of_numpy`` as one py_function, ordered after the graph's previous one."""
+    tf = _tf()
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if _eager():
+        outs = fn([t.numpy() for t in tensors])
+        return [tf.convert_to_tensor(_restore(o, t)) for o, t in zip(outs, tensors)]
+    graph = tf.compat.v1.get_default_graph()
+    deps = [_chain[graph]] if graph in _chain else []
+
+    def body(*xs):
+        outs = fn([x.numpy() for x in xs])
+        return [_restore(o, x) for o, x in zip(outs, xs)]
+
+    with tf.control_dependencies(deps):
+        outs = tf.py_function(body, tensors, [t.dtype for t in tensors])
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    for o, t in zip(outs, tensors):
+        o.set_shape(t.shape)
+    _chain[graph] = outs[0].op if outs else None
+    return outs
+
+
+def _blink_allreduce_list(tensors, name, op, pre, post):
+    tf = _tf()
+    opname = _op_name(op)
+
+    @tf.custom_gradient
+    def forward(*xs):
+        ys = _py_collective(lambda arrs: _run_allreduce(arrs, name, opname, pre, post), xs)
+
+        def grad(*dys):
+            return _blink_allreduce_list(list(dys), None, op, pre, post)
+
+        return ys, grad
+
+    out = forward(*tensors)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _blink_broadcast_list(tensors, root, name):
+    tf = _tf()
+
+    @tf.custom_gradient
+    def forward(*xs):
+        ys = _py_collective(lambda arrs: _run_broadcast(arrs, root, name), xs)
+
+        def grad(*dys):
+            red = _blink_allreduce_list(list(dys), None, _m.Average, 1.0, 1.0)
+            if _m.rank() != root:
+                return [r * 0 for r in red]
+            return red
+
+        return ys, grad
+
+    out = forward(*tensors)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+# -- replaced functions --------------------------------------------------------------------------------------
+
+def _allreduce(tensor, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, ignore_name_scope=False,
+               process_set=None):
+    orig = _o("_allreduce")
+    op = _m.Sum if op is None else op
+    process_set = _m.global_process_set if process_set is None else process_set
+    call = lambda: orig(tensor, name=name, op=op, prescale_factor=prescale_factor,  # noqa: E731
+                        postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
+                        process_set=process_set)
+    if bypassed():
+        return call()
+    why = _why_stock([tensor], _op_name(op), process_set, "allreduce")
+    if why:
+        if why != "-":
+            fallback(why, why)
+        return call()
+    return _blink_allreduce_list([tensor], name, op, prescale_factor, postscale_factor)[0]
+
+
+def _grouped_allreduce(tensors, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       ignore_name_scope=False, process_set=None):
+    orig = _o("_grouped_allreduce")
+    op = _m.Sum if op is None else op
+    process_set = _m.global_process_set if process_set is None else process_set
+    call = lambda: orig(tensors, name=name, op=op, prescale_factor=prescale_factor,  # noqa: E731
+                        postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
+                        process_set=process_set)
+    if bypassed():
+        return call()
+    why = _why_stock(list(tensors), _op_name(op), process_set, "allreduce")
+    if why:
+        if why != "-":
+            fallback(why, why)
+        return call()
+    return _blink_allreduce_list(list(tensors), name, op, prescale_factor, postscale_factor)
+
+
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=None):
+    orig = _o("broadcast")
+    process_set = _m.global_process_set if process_set is None else process_set
+    call = lambda: orig(tensor, root_rank, name=name, ignore_name_scope=ignore_name_scope,  # noqa: E731
+                        process_set=process_set)
+    if bypassed():
+        return call()
+    why = _why_stock([tensor], None, process_set, "broadcast")
+    if why:
+        if why != "-":
+            fallback(why, why)
+        return call()
+    return _blink_broadcast_list([tensor], root_rank, name)[0]
+
+
+def broadcast_(variables, root_rank, name=None, process_set=None):
+    orig = _o("broadcast_")
+    process_set = _m.global_process_set if process_set is None else process_set
+    variables = list(variables)
+    if bypassed():
+        return orig(variables, root_rank, name=name, process_set=process_set)
+    why = _why_stock([v.read_value() if hasattr(v, "read_value") else v for v in variables], None, process_set,
+                     "broadcast")
+    if why:
+        if why != "-":
+            fallback(why, why)
+        return orig(variables, root_rank, name=name, process_set=process_set)
+    tf = _tf()
+    values = _blink_broadcast_list([v.read_value() for v in variables], root_rank, name)
+    assigns = [v.assign(x) for v, x in zip(variables, values)]
+    if _eager():
+        return [v.read_value() for v in variables]
+    with tf.control_dependencies(assigns):
+        return [v.read_value() for v in variables]
+
+
+def join():
+    if bypassed() or _ctx is None:
+        return _o("join")()
+    tf = _tf()
+
+    def run(_):
+        ctx = _ctx
+        handle = ctx.engine.new_handle(None)
+        ctx.engine.submit(Work(meta=Meta(kind="barrier", name=None, dtypes=(), shapes=()), handle=handle, join=True))
+        return [np.asarray(handle.wait(), dtype=np.int32)]
+
+    return _py_collective(run, [tf.constant(0, dtype=tf.int32)])[0]
+
+
+def start_timeline(file_path, mark_cycles=False):
+    global _recording
+    result = _o("start_timeline")(file_path, mark_cycles)
+    _recording = True
+    return result
+
+
+def stop_timeline():
+    global _recording
+    result = _o("stop_timeline")()
+    _recording = False
+    return result
+
+
+def _stock_passthrough(fn_name: str, kind: str):
+    def replacement(*args, **kwargs):
+        if not bypassed() and _ctx is not None:
+            fallback(kind, f"Blink does not implement {kind}")
+        return _o(fn_name)(*args, **kwargs)
+
+    replacement.__name__ = fn_name
+    replacement.__doc__ = f"Blink: ``{fn_name}`` runs on stock Horovod (counted in stats()['fallback'])."
+    return replacement
+
+
+# -- the gradient allreduce behind DistributedOptimizer / DistributedGradientTape -------------------------------
+
+def _make_cached_allreduce_grads_fn(name, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                    gradient_predivide_factor, groups, process_set):
+    """Horovod's factory (same arguments): one grouped Blink allreduce of all dense gradients per step."""
+    stock = originals("horovod.tensorflow")["_make_cached_allreduce_grads_fn"](
+        name, device_dense, device_sparse, compression, sparse_as_dense, op, gradient_predivide_factor, groups,
+        process_set)
+    if op == _m.Average:
+        pre, post = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    else:
+        pre, post = 1.0, 1.0
+    tf = _tf()
+
+    def allreduce_grads(grads, vars=None, use_generic_names=False):
+        why = _why_stock([g for g in grads if g is not None and not isinstance(g, tf.IndexedSlices)],
+                         _op_name(op), process_set, "allreduce")
+        if why or bypassed():
+            if why and why != "-":
+                fallback(why, why)
+            return stock(grads, vars, use_generic_names)
+        with tf.name_scope(name + "_Allreduce"):
+            if sparse_as_dense:
+                grads = [tf.convert_to_tensor(g) if g is not None and isinstance(g, tf.IndexedSlices) else g
+                         for g in grads]
+            out = list(grads)
+            dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
+            sparse = [i for i, g in enumerate(grads) if g is not None and isinstance(g, tf.IndexedSlices)]
+            if dense:
+                comp = [compression.compress(grads[i]) for i in dense]
+                reduced = _blink_allreduce_list([c for c, _ in comp], None, op, pre, post)
+                for i, r, (_, cctx) in zip(dense, reduced, comp):
+                    out[i] = compression.decompress(r, cctx)
+            for i in sparse:
+                fallback("tf.IndexedSlices (sparse gradients)", "sparse gradients are allgathered by stock Horovod")
+                with bypass():
+                    out[i] = _pkg.allreduce(grads[i], device_dense=device_dense, device_sparse=device_sparse,
+                                            compression=compression, op=op, process_set=process_set)
+            return out
+
+    if _eager():
+        from horovod.tensorflow.util import _make_subgraph
+
+        return _make_subgraph(allreduce_grads)
+    return allreduce_grads
+
+
+# -- init / shutdown ----------------------------------------------------------------------------------------
+
+class _StockView:
+    def __init__(self, m) -> None:
+        self.m = m
+
+    def rank(self) -> int:
+        return self.m.rank()
+
+    def size(self) -> int:
+        return self.m.size()
+
+    def local_rank(self) -> int:
+        return self.m.local_rank()
+
+    def local_size(self) -> int:
+        return self.m.local_size()
+
+    def is_homogeneous(self) -> bool:
+        return bool(self.m.is_homogeneous())
+
+    def allgather_object(self, obj):
+        from horovod.tensorflow.functions import allgather_object
+
+        with bypass():
+            return allgather_object(obj, name="blink.setup")
+
+
+class _TFCross:
+    """Cross-server stage over the original ``horovod.tensorflow`` ops, run eagerly on the engine thread."""
+
+    def __init__(self, sets: dict, m) -> None:
+        self.sets = sets
+        self.m = m
+        self._ops = {"sum": m.Sum, "min": m.Min, "max": m.Max, "product": m.Product}
+
+    def allreduce(self, arr: np.ndarray, op: str, ranks: Sequence[int], name: str) -> None:
+        tf = _tf()
+        out = _o("_allreduce")(tf.constant(arr), name=name, op=self._ops[op], process_set=self.sets[tuple(ranks)])
+        np.copyto(arr, out.numpy())
+
+    def broadcast(self, arr: np.ndarray, root: int, ranks: Sequence[int], name: str) -> None:
+        tf = _tf()
+        out = _o("broadcast")(tf.constant(arr), root, name=name, process_set=self.sets[tuple(ranks)])
+        np.copyto(arr, out.numpy())
+
+    def allgather_rows(self, row: np.ndarray, ranks: Sequence[int], name: str) -> np.ndarray:
+        tf = _tf()
+        out = _o("allgather")(tf.constant(row.reshape(1, -1)), name=name, process_set=self.sets[tuple(ranks)])
+        return out.numpy()
+
+
+def init(*args, **kwargs):
+    global _ctx, _reason, _recording, _atexit_registered
+    orig = _o("init")
+    with _lock:
+        m = _m
+        if _ctx is not None and m.is_initialized():
+            return orig(*args, **kwargs)
+        if _ctx is not None:
+            _close_context()
+        comm = args[0] if len(args) > 0 else kwargs.get("comm")
+        process_sets = args[1] if len(args) > 1 else kwargs.get("process_sets")
+        cfg = load_config()
+        plan = plan_init(m.ProcessSet, comm, process_sets)
+        orig(comm, process_sets=plan.process_sets)
+        _recording = bool(os.environ.get("HOROVOD_TIMELINE")) and os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC"
+        if plan.custom_comm:
+            _reason = "hvd.init(comm=...) with a custom communicator"
+            return
+        _cross_sets.clear()
+        _cross_sets.update(cross_sets_after_init(plan))
+
+        def cross_factory(layout):
+            if not add_missing_sets(layout, _cross_sets, m.add_process_set):
+                return None
+            return _TFCross(_cross_sets, m)
+
+        ctx, reason = create_context(_StockView(m), cross_factory, cfg)
+        _ctx, _reason = ctx, reason
+        if ctx is None:
+            log.warning("blink: Blink stays out of this job, stock Horovod runs every collective: %s", reason)
+        if not _atexit_registered:
+            atexit.register(_close_context)
+            _atexit_registered = True
+
+
+def _close_context() -> None:
+    global _ctx, _reason
+    with _lock:
+        ctx, _ctx = _ctx, None
+        _reason = "Horovod has been shut down"
+    if ctx is not None:
+        ctx.close()
+
+
+def shutdown(*args, **kwargs):
+    _close_context()
+    return _o("shutdown")(*args, **kwargs)
+
+
+_REPLACED = {
+    "_allreduce": _allreduce,
+    "_grouped_allreduce": _grouped_allreduce,
+    "broadcast": broadcast,
+    "broadcast_": broadcast_,
+    "join": join,
+    "start_timeline": start_timeline,
+    "stop_timeline": stop_timeline,
+    "init": init,
+    "shutdown": shutdown,
+    "allgather": _stock_passthrough("allgather", "allgather"),
+    "grouped_allgather": _stock_passthrough("grouped_allgather", "allgather"),
+    "alltoall": _stock_passthrough("alltoall", "alltoall"),
+    "_reducescatter": _stock_passthrough("_reducescatter", "reducescatter"),
+    "_grouped_reducescatter": _stock_passthrough("_grouped_reducescatter", "reducescatter"),
+}
+
+
+def install(module: Any = None) -> None:
+    """Patch ``horovod.tensorflow`` (already imported) so that its collectives run through Blink."""
+    global _m, _pkg
+    m = sys.modules["horovod.tensorflow.mpi_ops"]
+    if getattr(m, "_blink_installed", False):
+        return
+    _m, _pkg = m, sys.modules["horovod.tensorflow"]
+    for name, fn in _REPLACED.items():
+        if hasattr(m, name):
+            replace_everywhere(_PKG, m, name, fn)
+    replace_everywhere(_PKG, _pkg, "_make_cached_allreduce_grads_fn", _make_cached_allreduce_grads_fn)
+    m._blink_installed = True
+    if m.is_initialized():
+        init()
