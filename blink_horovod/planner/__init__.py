@@ -1,26 +1,16 @@
 """Planner layer: exact optima, MWU packing, few-tree refinement, hybrid split, plan I/O.
 
 Pure Python on networkx, scipy and cvxpy; never imports MPI, CUDA, a framework
-or Horovod (../shared/DESIGN.md).  ``make_plan`` is the entry point.
+or Horovod (../shared/DESIGN.md).  ``make_plan`` (:mod:`.api`) is the entry
+point; it is imported on first use (PEP 562), so that reading plans and the
+plan cache's lookups do not pay for numpy/scipy/HiGHS.
 """
 
-from importlib import import_module
+from __future__ import annotations
+
 from typing import Any
 
 from .plan import CHANNELS, COLLECTIVES, FORMAT, Plan, Tree, validate_plan
-
-# The solver stack (scipy, cvxpy) loads on first use of make_plan (PEP 562), so
-# that reading a cached plan (planner.cache) does not pay seconds of imports.
-_LAZY = {"PLANNER_VERSION": "api", "available_channels": "api", "make_plan": "api"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "CHANNELS",
@@ -33,3 +23,13 @@ __all__ = [
     "make_plan",
     "validate_plan",
 ]
+
+_LAZY = {"make_plan", "available_channels", "PLANNER_VERSION"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -148,7 +148,8 @@ def plan_channel(net: Network, root: int, shallow: bool, settings: PlannerSettin
     tight = tight_trees(net, opt.duals, root, settings.tight_samples, rng)
     refined = fewest_trees(
         net,
-        list(mwu.trees) + opt.columns + tight + seeds,
+        # most promising first: the pool is capped
+        tight + seeds + opt.columns + list(mwu.trees),
         opt,
         root,
         shallow=shallow,

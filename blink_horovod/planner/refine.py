@@ -52,6 +52,8 @@ TIGHT_TOL = 1e-7
 EFFORT_NODES = 200
 SAFETY_TIME_S = 5.0
 MILP_MAX_POOL = 40  # candidate trees; above this the count MILP is skipped
+MAX_POOL = 150
+MAX_UNIFORM = 10
 _GREEDY_PROBES = 8  # trees whose largest possible weight is probed per greedy step
 
 
@@ -317,6 +319,8 @@ def fewest_trees(
     keep: float = KEEP,
     shallow: bool = False,
     effort: int = EFFORT_NODES,
+    max_pool: int = MAX_POOL,
+    max_uniform: int = MAX_UNIFORM,
 ) -> Refined:
     """The fewest trees among ``candidates`` that keep ``keep`` x the optimum.
 
@@ -329,6 +333,8 @@ def fewest_trees(
     root : broadcast root (vertex index); depth is measured from it.
     shallow : minimise the largest depth first (switch machines).
     effort : branch-and-bound nodes per integer program (0: greedy only).
+    max_pool : at most this many tight candidates (the first ones of ``candidates``).
+    max_uniform : equal-share programs for k = 1 .. max_uniform only.
 
     The result is deterministic: it depends on the inputs only, never on time.
     """
@@ -338,7 +344,8 @@ def fewest_trees(
     for t in candidates:
         pool.setdefault(t, None)
     loads = {t: net.tree_load(t) for t in pool}
-    trees = [t for t in pool if t in optimum.trees or float(loads[t] @ y) <= 1.0 + TIGHT_TOL]
+    # Candidates in order of promise (the optimum's own, then the caller's order), capped.
+    trees = [t for t in pool if t in optimum.trees or float(loads[t] @ y) <= 1.0 + TIGHT_TOL][:max_pool]
     fallback = Refined(list(optimum.trees), optimum.x.copy(), opt, len(trees), "lp-basis")
     if len(optimum.trees) <= 1 or opt <= 0:
         return fallback
@@ -366,7 +373,7 @@ def fewest_trees(
         # infeasible also proves that no single tree reaches the optimum.  For
         # allreduce equal shares rarely fit (every link is saturated), so only
         # k <= 2 and k = n (one tree per root's share) are tried.
-        ks = range(1, len(fallback.trees))
+        ks = range(1, min(len(fallback.trees), max_uniform + 1))
         if not net.directed:
             ks = [k for k in ks if k <= 2 or k == net.n]
         for k in ks:

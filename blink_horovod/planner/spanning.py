@@ -14,8 +14,9 @@ they work on numpy matrices instead of networkx graphs; the tests cross-check
 them against ``networkx.minimum_spanning_arborescence`` and
 ``networkx.minimum_spanning_tree``.
 
-Ties are broken toward low vertex indices and, in Prim, toward the vertex that
-was reached first, so uniform weights (a switch) give a star: a shallow tree.
+Ties are broken toward the root (Edmonds) or the vertex reached first (Prim),
+then toward low vertex indices, so uniform weights (a switch) give a star:
+the shallowest tree.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _edmonds_lists(w: list[list[float]], root: int) -> list[int] | None:
     for v in range(n):
         if v == root:
             continue
-        bu, bw = -1, _INF
+        # Ties go to the root first, then to low indices: shallow trees.
+        bu, bw = (root, w[root][v]) if w[root][v] < _INF else (-1, _INF)
         for u in range(n):
             if u != v and w[u][v] < bw:
                 bu, bw = u, w[u][v]
@@ -173,6 +175,8 @@ def _edmonds(w: np.ndarray, root: int) -> np.ndarray | None:
     w[:, root] = np.inf
     par = np.argmin(w, axis=0)
     best = w[par, np.arange(n)]
+    # Ties go to the root first, then to low indices: shallow trees.
+    par = np.where(w[root] <= best, root, par)
     best[root] = 0.0
     par[root] = root
     if not np.all(np.isfinite(best)):
