@@ -200,9 +200,13 @@ class Communicator:
             self._programs.popitem(last=False)
         return prog
 
-    def chunk_sizes(self) -> dict[int, int]:
-        """Size bucket (bytes) -> chunk bytes in use (MIAD's choices, or the fixed size)."""
+    def chunk_sizes(self) -> dict[tuple[str, int], int]:
+        """(collective, size bucket in bytes) -> chunk bytes in use (MIAD's choices, or the fixed size)."""
         return self._chunks.settled()
+
+    def tuning_converged(self, collective: str, nbytes: int) -> bool:
+        """Whether the chunk size of this collective and size has settled (MIAD done)."""
+        return self.local_size == 1 or self._chunks.converged(nbytes, collective)
 
     # -- argument checks -----------------------------------------------------------
     def _flat(self, arr: np.ndarray, what: str) -> tuple[np.ndarray, str]:
@@ -223,10 +227,10 @@ class Communicator:
         seq = (self._executor.seq + 1) if self._executor else 0
         return f"{collective} {name!r} (collective {seq})" if name else f"{collective} (collective {seq})"
 
-    def _chunk_elems(self, all_extras: list[dict[str, Any]], nbytes: int, itemsize: int) -> int:
+    def _chunk_elems(self, all_extras: list[dict[str, Any]], nbytes: int, itemsize: int, kind: str) -> int:
         rates = [e.get("t") for e in all_extras]
         agreed = min(rates) if all(isinstance(x, (int, float)) for x in rates) else None
-        return max(1, self._chunks.chunk_bytes(nbytes, agreed) // itemsize)
+        return max(1, self._chunks.chunk_bytes(nbytes, agreed, kind) // itemsize)
 
     def _run(self, collective: str, name: str | None, arr: np.ndarray, flat: np.ndarray, dtype: str, op: str,
              root: int | None, plan_key: tuple[str, int | None], make_pieces) -> None:
@@ -246,7 +250,7 @@ class Communicator:
 
         def build(all_extras: list[dict[str, Any]]) -> list[Piece]:
             plan, digest = entry if entry is not None else self._adopt_plan(plan_key, Plan.from_dict(all_extras[0]["plan"]))
-            chunk = self._chunk_elems(all_extras, nbytes, itemsize)
+            chunk = self._chunk_elems(all_extras, nbytes, itemsize, collective)
             return make_pieces(plan, digest, chunk)
 
         ex = self._executor

@@ -40,22 +40,23 @@ class ChunkChooser:
 
     def __init__(self, fixed_bytes: int | None = None) -> None:
         self.fixed = fixed_bytes
-        self._tuners: dict[int, MiadTuner] = {}
-        self._last: dict[int, int] = {}  # bucket -> chunk bytes of its previous message
+        self._tuners: dict[tuple[str, int], MiadTuner] = {}
+        self._last: dict[tuple[str, int], int] = {}  # (kind, bucket) -> chunk bytes of its previous message
 
-    def chunk_bytes(self, nbytes: int, agreed_throughput: float | None) -> int:
-        """Chunk bytes for a message of ``nbytes``.
+    def chunk_bytes(self, nbytes: int, agreed_throughput: float | None, kind: str = "allreduce") -> int:
+        """Chunk bytes for a message of ``nbytes`` of collective ``kind``.
 
         ``agreed_throughput``: the slowest rank's throughput (bytes/s) of the
-        previous message of this bucket, None when there is none (or it must
-        not count).
+        previous message of this kind and bucket, None when there is none (or
+        it must not count).
         """
         if self.fixed is not None:
             return self.fixed
-        bucket = bucket_of(nbytes)
+        size = bucket_of(nbytes)
+        bucket = (kind, size)
         tuner = self._tuners.get(bucket)
         if tuner is None:
-            cap = max(MIN_CHUNK_BYTES, bucket)
+            cap = max(MIN_CHUNK_BYTES, size)
             tuner = self._tuners[bucket] = MiadTuner(
                 start_bytes=min(DEFAULT_CHUNK_BYTES, cap), min_bytes=MIN_CHUNK_BYTES, max_bytes=cap,
                 align_bytes=MIN_CHUNK_BYTES, tolerance=0.03,
@@ -66,12 +67,13 @@ class ChunkChooser:
         self._last[bucket] = chunk
         return chunk
 
-    def converged(self, nbytes: int) -> bool:
-        tuner = self._tuners.get(bucket_of(nbytes))
+    def converged(self, nbytes: int, kind: str = "allreduce") -> bool:
+        """Whether MIAD has settled for this kind and size (always, with a fixed size)."""
+        tuner = self._tuners.get((kind, bucket_of(nbytes)))
         return self.fixed is not None or (tuner is not None and tuner.converged)
 
-    def settled(self) -> dict[int, int]:
-        """Bucket -> chunk bytes in use (MIAD's best so far, or the fixed size)."""
+    def settled(self) -> dict[tuple[str, int], int]:
+        """(kind, bucket) -> chunk bytes in use (MIAD's best so far, or the fixed size)."""
         if self.fixed is not None:
             return {b: self.fixed for b in self._last}
         return {b: t.best if t.history else t.propose() for b, t in self._tuners.items()}
