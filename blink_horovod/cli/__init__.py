@@ -16,7 +16,7 @@ from typing import Sequence
 
 from ..errors import BlinkError
 
-__all__ = ["main", "SUBCOMMANDS", "fail"]
+__all__ = ["main", "SUBCOMMANDS", "fail", "one_line"]
 
 SUBCOMMANDS = ("plan", "topology", "simulate", "perf")
 EXIT_BAD_INPUT = 2
@@ -26,13 +26,24 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports bad arguments as one line and exit code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(f"{self.prog}: error: {one_line(message)}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT)
+
+
+def one_line(message: str) -> str:
+    """``message`` with line breaks and other control characters escaped.
+
+    Error messages quote what the user typed; a value holding ``\\r`` or
+    ``\\n`` (or a terminal escape) must not break the one-line contract.
+    """
+    return "".join(
+        c if c == "\t" or (c.isprintable() and c not in "\u2028\u2029") else repr(c)[1:-1] for c in str(message)
+    )
 
 
 def fail(message: str) -> int:
     """Print one error line to stderr and return the bad-input exit code."""
-    print(f"blink: error: {message}", file=sys.stderr)
+    print(f"blink: error: {one_line(message)}", file=sys.stderr)
     return EXIT_BAD_INPUT
 
 

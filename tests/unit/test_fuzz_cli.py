@@ -208,6 +208,9 @@ BAD_COMMAND_LINES = [
     ["topology", "dgx1v", "--gpus", "0,0"],
     ["topology", "BINARY_FILE"],
     ["topology", "--from-nvidia-smi", "/nonexistent"],
+    # control characters in a quoted value must not break the one-line contract (found by fuzzing)
+    ["plan", "--topology", "cpu3", "--collective", "allreduce", "extra", "\r0"],
+    ["topology", "no\nsuch\x1b[2J"],
 ]
 
 
