@@ -21,11 +21,28 @@ The output is the pull-model IR of :mod:`blink_horovod.schedule.program`:
   at ``START_FLAG``.
 
 Every op waits only for posts of strictly smaller steps; each rank's ops are
-sorted by step.  Lanes (``stream``) are one per incoming link, ``(channel,
-peer)``: every tree whose chunks cross the link ``peer -> rank`` shares that
-lane (the paper's stream reuse).  ``after`` serializes writes to one region
-that sit on different lanes and orders a post after the write it covers when
-that write is on another lane.
+sorted by step.
+
+Lanes (``stream``) follow the paper's stream reuse: the transfers of several
+trees over one link share a lane, so they cross it in a fixed order.  Which
+trees share is the ``lanes`` policy:
+
+``"root"`` (default)  one lane per incoming link and tree root: the trees of one
+                      root carry one segment in lockstep (the same chunk steps),
+                      the "similarly positioned" links; trees of different
+                      roots use a link at different phases of their pipelines
+                      (one reducing up while another broadcasts down), and in an
+                      in-order lane one would block the other.  For broadcast
+                      plans (one root) this is reuse over every shared link.
+``"link"``            one lane per incoming link ``(channel, peer)``, every tree.
+``"tree"``            one lane per (tree, link): no reuse.
+
+Measured with the simulator (sim/, 1 GB, DGX-1V, 8 GPUs, 21-tree allreduce,
+1 MB chunks): time over the bound 1.19 (root), 2.07 (link), 1.19 (tree), with
+22, 4 and 49 lanes on the busiest rank.
+
+``after`` serializes writes to one region that sit on different lanes and
+orders a post after the write it covers when that write is on another lane.
 
 Byte ranges (../shared/spec/FORMATS.md, 2): trees carry their fractions in list
 order.  For AllReduce plans the i-th GPU's trees cover exactly
@@ -48,6 +65,7 @@ __all__ = ["FRACTION_EPS", "chunk_count", "compile_program", "tree_ranges"]
 # Trees whose fraction is at most this carry no bytes (the plan's own tolerance).
 FRACTION_EPS = 1e-9
 _FIRST_EVENT_FLAG = 2  # flags 0 and 1 are START_FLAG and DONE_FLAG
+LANE_POLICIES = ("root", "link", "tree")
 
 
 def _is_int(x: object) -> bool:
@@ -191,7 +209,7 @@ class _Rank:
         self.needs_start = False
 
 
-def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None = None) -> Program:
+def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None = None, *, lanes: str = "root") -> Program:
     """Per-rank programs for ``plan`` over a buffer of ``count`` elements.
 
     Parameters
@@ -208,6 +226,9 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
         ``"broadcast"`` (down only from each tree's root: the whole buffer for
         broadcast plans, each root's segment for AllReduce plans, hierarchical
         stage 3).  Default: ``plan.collective``.
+    lanes : str
+        Which trees share a lane over a link: ``"root"`` (trees of one root),
+        ``"link"`` (all) or ``"tree"`` (none); see the module docstring.
 
     Returns
     -------
@@ -238,6 +259,8 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
         raise ScheduleError(f"count: expected a non-negative integer number of elements, got {count!r}")
     if not _is_int(chunk_elems) or chunk_elems < 1:
         raise ScheduleError(f"chunk_elems: expected a positive integer, got {chunk_elems!r}")
+    if lanes not in LANE_POLICIES:
+        raise ScheduleError(f"lanes: expected one of {', '.join(LANE_POLICIES)}, got {lanes!r}")
     if not isinstance(plan, Plan) or not plan.gpus:
         raise ScheduleError(f"plan: expected a Plan with GPUs, got {plan!r}")
     n = plan.n
@@ -260,6 +283,8 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
             missing = sorted(set(plan.gpus) - {plan.gpus[v] for v in shape.preorder})
             raise ScheduleError(f"plan.trees[{t}]: carries elements [{lo}, {hi}) but does not reach GPUs {missing}")
         ch = tree.channel
+        # lane key: (channel, peer) + what else must match to share a lane
+        share = () if lanes == "link" else (shape.root,) if lanes == "root" else (t,)
         height, depth, parent, children = shape.height, shape.depth, shape.parent, shape.children
         root = shape.root
         inner_up = [v for v in shape.postorder if v in children]  # nodes that reduce
@@ -281,7 +306,7 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
                         else:
                             flag = START_FLAG
                             ranks[u].needs_start = True
-                        lane = (ch, u)
+                        lane = (ch, u, *share)
                         rv.recs.append([step, seq, "reduce", u, flag, a, m, t, c, lane, ch, () if prev is None else (prev,)])
                         prev = seq
                         last_lane[v] = lane
@@ -306,7 +331,7 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
                 rv = ranks[v]
                 p = parent[v]
                 step = base + depth[v]
-                lane = (ch, p)
+                lane = (ch, p, *share)
                 prev = last_write.get(v)
                 rv.recs.append([step, seq, "copy", p, down_flag[p], a, m, t, c, lane, ch, () if prev is None else (prev,)])
                 copy_seq = seq
@@ -332,21 +357,21 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
             nstreams.append(0)
             continue
         # Lanes: one per incoming link (channel, peer); nvlink before pcie, by peer.
-        keys = sorted({rec[9] for rec in recs}, key=lambda k: (CHANNELS.index(k[0]), k[1]))
+        keys = sorted({rec[9] for rec in recs}, key=lambda k: (CHANNELS.index(k[0]), *k[1:]))
         lane_of = {k: i for i, k in enumerate(keys)}
-        lanes_meta.append(tuple(keys))
+        lanes_meta.append(tuple(k[:2] for k in keys))
         if rk.needs_start:
             recs.append([0, -1, "post", -1, START_FLAG, 0, 0, -1, -1, None, "nvlink", ()])
         recs.sort(key=lambda rec: (rec[0], rec[1]))
         index_of = {rec[1]: i for i, rec in enumerate(recs)}
-        lanes = [0 if rec[9] is None else lane_of[rec[9]] for rec in recs]
+        lane_idx = [0 if rec[9] is None else lane_of[rec[9]] for rec in recs]
         ops: list[Op] = []
         last_in_lane: dict[int, int] = {}
         for i, rec in enumerate(recs):
             step, _, okind, peer, flag, a, m, t, c, _, ch, after_seqs = rec
-            lane = lanes[i]
+            lane = lane_idx[i]
             # Keep only dependencies on other lanes: a lane runs its ops in order.
-            after = tuple(j for j in (index_of[x] for x in after_seqs) if lanes[j] != lane)
+            after = tuple(j for j in (index_of[x] for x in after_seqs) if lane_idx[j] != lane)
             # Chunk posts keep the chunk's region (informational, for traces).
             ops.append(Op(okind, peer, flag, a, m, t, c, step, lane, ch, after))
             last_in_lane[lane] = i
@@ -371,6 +396,7 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
         "channels": tuple(t.channel for t in plan.trees),
         # lanes[r][s] = (channel, peer rank): the incoming link lane s of rank r serves
         "lanes": tuple(lanes_meta),
+        "lane_policy": lanes,
     }
     return Program(
         kind=kind,

@@ -160,27 +160,37 @@ def test_ops_sorted_by_step_and_wait_only_for_smaller_steps(name: str, plan: Pla
                     assert post_step[(op.peer, op.flag)] < op.step
 
 
-def test_lanes_are_one_per_incoming_link_and_shared_by_trees() -> None:
-    # Two trees both move data 1 -> 0 (tree 0: 1 is a child of 0 in the up phase;
-    # tree 1: 1 is the parent of 0 in the down phase): rank 0 reads rank 1 on one lane.
-    # Tree 2 (2 -> 0 -> 1) moves 1 -> 0 in its up phase too.
-    t0 = Tree(0, 1 / 3, ((0, 1), (0, 2)))
+@pytest.mark.parametrize("policy", ["root", "link", "tree"])
+def test_lanes_follow_the_policy_and_trees_reuse_them(policy: str) -> None:
+    # Rank 0 reads rank 1 in trees 0 and 3 (up, reduce: 1 is 0's child), and in tree 1 (down:
+    # 1 is 0's parent). Trees 0 and 3 have root 0; tree 1 has root 1.
+    t0 = Tree(0, 1 / 6, ((0, 1), (0, 2)))
+    t3 = Tree(0, 1 / 6, ((0, 2), (0, 1)))
     t1 = Tree(1, 1 / 3, ((1, 0), (1, 2)))
-    t2 = Tree(2, 1 / 3, ((2, 0), (0, 1)))
-    plan = Plan("allreduce", "custom", (0, 1, 2), None, (t0, t1, t2), 1.0, 1.0)
-    prog = compile_program(plan, 3000, 100)
+    t2 = Tree(2, 1 / 3, ((2, 1), (2, 0)))
+    plan = Plan("allreduce", "custom", (0, 1, 2), None, (t0, t3, t1, t2), 1.0, 1.0)
+    prog = compile_program(plan, 3000, 100, lanes=policy)
     check_program(prog, plan)
+    assert prog.meta["lane_policy"] == policy
+    key = {"link": lambda op: (op.channel, op.peer), "root": lambda op: (op.channel, op.peer, plan.trees[op.tree].root), "tree": lambda op: (op.channel, op.peer, op.tree)}[policy]
     for r, ops in enumerate(prog.ranks):
-        by_peer: dict[tuple[str, int], set[int]] = {}
+        lanes_of: dict[tuple, set[int]] = {}
         for op in ops:
             if op.kind != "post":
-                by_peer.setdefault((op.channel, op.peer), set()).add(op.stream)
-        assert all(len(s) == 1 for s in by_peer.values()), (r, by_peer)
-        lanes = [next(iter(s)) for s in by_peer.values()]
-        assert len(set(lanes)) == len(lanes) == prog.nstreams[r]
-    # Rank 0 reads rank 1 for trees 0 and 2 (reduce, up) and 1 (copy, down): one lane, in step order.
-    lane01 = {op.stream for op in prog.ranks[0] if op.peer == 1}
-    assert len(lane01) == 1 and {(op.tree, op.kind) for op in prog.ranks[0] if op.peer == 1} == {(0, "reduce"), (1, "copy"), (2, "reduce")}
+                lanes_of.setdefault(key(op), set()).add(op.stream)
+        assert all(len(v) == 1 for v in lanes_of.values()), (r, lanes_of)  # one lane per key ...
+        lanes = [next(iter(v)) for v in lanes_of.values()]
+        assert len(set(lanes)) == len(lanes) == prog.nstreams[r]  # ... and one key per lane
+    on = {(op.tree, op.kind): op.stream for op in prog.ranks[0] if op.peer == 1}
+    assert set(on) == {(0, "reduce"), (1, "reduce"), (2, "copy")}
+    if policy == "link":
+        assert len(set(on.values())) == 1
+    elif policy == "root":  # trees 0 and 1 (root 0) reuse one lane; tree 2 (root 1) has its own
+        assert on[(0, "reduce")] == on[(1, "reduce")] != on[(2, "copy")]
+    else:
+        assert len(set(on.values())) == 3
+    with pytest.raises(ScheduleError, match="lanes"):
+        compile_program(plan, 10, 2, lanes="per-op")
 
 
 def test_pcie_trees_move_on_their_own_channel_and_lanes() -> None:
@@ -333,9 +343,9 @@ def random_plans(draw):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(plan=random_plans(), count=st.integers(0, 300), chunk=st.integers(1, 64), kind=st.sampled_from(["allreduce", "reduce", "broadcast", None]), seed=st.integers(0, 99))
-def test_property_any_plan_checks_and_replays_exactly(plan: Plan, count: int, chunk: int, kind, seed: int) -> None:
-    prog = compile_program(plan, count, chunk, kind)
+@given(plan=random_plans(), count=st.integers(0, 300), chunk=st.integers(1, 64), kind=st.sampled_from(["allreduce", "reduce", "broadcast", None]), seed=st.integers(0, 99), lanes=st.sampled_from(["root", "link", "tree"]))
+def test_property_any_plan_checks_and_replays_exactly(plan: Plan, count: int, chunk: int, kind, seed: int, lanes: str) -> None:
+    prog = compile_program(plan, count, chunk, kind, lanes=lanes)
     check_program(prog, plan)
     rng = np.random.default_rng(seed)
     inputs = [rng.integers(-50, 50, count).astype(np.float64) for _ in range(plan.n)]
