@@ -123,28 +123,11 @@ WORKER_PRELUDE = textwrap.dedent(
         with open("/proc/self/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    def _chain_planner(topology, collective, root):
-        """Used only while make_plan is not in the checkout: a valid (not optimal) plan of
-        chains over a fully connected machine, GPU i rooting the i-th 1/n for allreduce."""
-        from blink_horovod.planner.plan import Plan, Tree
-        gpus = list(topology.gpus)
-        n = len(gpus)
-        def chain(r):
-            order = [r] + [g for g in gpus if g != r]
-            return tuple(zip(order, order[1:]))
-        if collective == "allreduce":
-            trees = tuple(Tree(g, 1.0 / n, chain(g)) for g in gpus)
-        else:
-            trees = (Tree(root, 1.0, chain(root)),)
-        return Plan(collective=collective, topology=topology.name, gpus=tuple(gpus),
-                    root=None if collective == "allreduce" else root, trees=trees,
-                    rate_gbps=1.0, optimum_gbps=1.0)
-
     def make_communicator(topology=None, config=None):
         """This rank's Communicator over the runtime's FileRendezvous in RDV_DIR.
 
-        Plans come from the real planner (through the plan cache); only while
-        make_plan is missing from this checkout, from _chain_planner.
+        Plans come from the real planner, through the plan cache (BLINK_PLAN_CACHE,
+        one folder for the test session).
         """
         from blink_horovod.runtime.communicator import Communicator
         from blink_horovod.runtime.rendezvous import FileRendezvous
@@ -157,12 +140,7 @@ WORKER_PRELUDE = textwrap.dedent(
         if topology is not None:
             from blink_horovod.topology.machines import resolve
             topo = resolve(topology)
-        try:
-            from blink_horovod.planner import make_plan  # noqa: F401
-            planner = None
-        except ImportError:
-            planner = _chain_planner
-        comm = Communicator(RANK, SIZE, topo, rendezvous, config=config, device="cpu", planner=planner)
+        comm = Communicator(RANK, SIZE, topo, rendezvous, config=config, device="cpu")
         _OWNED.append(comm)
         return comm
 

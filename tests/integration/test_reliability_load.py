@@ -85,7 +85,7 @@ def body():
             rss[i + 1] = rss_bytes()
         STATE["iterations"] = i + 1
     emit("load", rss=rss, raw=raw, seconds=time.perf_counter() - t0, elements=checked, dtypes=dtypes,
-         chunks=comm.chunk_sizes() if hasattr(comm, "chunk_sizes") else None)
+         chunks={str(k): v for k, v in comm.chunk_sizes().items()})
 
 main(body)
 """
