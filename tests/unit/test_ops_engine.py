@@ -1,0 +1,245 @@
+"""The Blink engine end to end in one process: real communicators (loopback shared buffers), real plans.
+
+Each "rank" is a thread with its own engine; servers are loopback worlds of
+the runtime and the cross-server stage is :mod:`blink_horovod.ops.loopback`
+(the in-process stand-in for Horovod's rings).  Data are small integers, so
+every result is checked exactly: sums, Horovod's integer average, pre/post
+scaling, broadcasts from a root on the second server, fusion of queued
+collectives, mismatches raised on every rank, ``join`` and duplicate names.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from blink_horovod.config import load_config
+from blink_horovod.errors import BlinkInternalError, MismatchError
+from blink_horovod.ops.engine import Engine, Work
+from blink_horovod.ops.hierarchical import Hierarchy
+from blink_horovod.ops.layout import Layout
+from blink_horovod.ops.loopback import LoopbackCrossWorld
+from blink_horovod.ops.negotiation import Meta
+from blink_horovod.ops.scaling import scale_into
+from blink_horovod.runtime.communicator import Communicator
+from blink_horovod.runtime.loopback import LoopbackWorld
+from blink_horovod.topology.machines import cpu
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    return load_config({"BLINK_PLAN_CACHE": str(tmp_path_factory.mktemp("plans")), "BLINK_TIMEOUT_SECONDS": "30"})
+
+
+def run_job(cfg, servers: int, local: int, body: Callable[[int, Engine], Any], fusion_bytes: int = 1 << 20) -> list:
+    """Run ``body(rank, engine)`` on ``servers x local`` thread ranks; re-raise the first failure."""
+    size = servers * local
+    worlds = [LoopbackWorld(local) for _ in range(servers)]
+    cross_world = LoopbackCrossWorld(size, timeout=30)
+    results: list[Any] = [None] * size
+    errors: list[str] = [""] * size
+
+    def rank_main(rank: int) -> None:
+        layout = Layout(rank, size, local)
+        comm = engine = None
+        try:
+            if local > 1:
+                comm = Communicator(layout.local_rank, local, cpu(local), None, cfg,
+                                    transport=worlds[layout.server].transport(layout.local_rank))
+            cross = cross_world.transport(rank) if servers > 1 else None
+            intra = comm.allgather_object if comm is not None else (lambda o: [o])
+            xag = (lambda row, name: cross.allgather_rows(row, layout.cross_ranks(), name)) if cross else None
+            engine = Engine(rank, size, layout.server, Hierarchy(layout, comm, cross), intra, xag, 30.0, fusion_bytes)
+            results[rank] = body(rank, engine)
+        except BaseException:  # noqa: BLE001 - reported to the test
+            errors[rank] = traceback.format_exc()
+        finally:
+            if engine is not None:
+                engine.close()
+            if comm is not None:
+                comm.close()
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for r, t in enumerate(threads):
+        t.join(120)
+        assert not t.is_alive(), f"rank {r} hung"
+    failed = [e for e in errors if e]
+    assert not failed, failed[0]
+    return results
+
+
+def allreduce(engine: Engine, arr: np.ndarray, op: str = "sum", name: str | None = None, pre: float = 1.0,
+              post: float = 1.0, wait: bool = True):
+    if pre != 1.0:
+        scale_into(arr, arr, pre)
+    meta = Meta("allreduce", name, (arr.dtype.name,), (arr.shape,), op=op, prescale=pre, postscale=post)
+    h = engine.submit(Work(meta=meta, handle=engine.new_handle(name), arrays=[arr], finish=lambda: arr))
+    return h.wait() if wait else h
+
+
+def broadcast(engine: Engine, arr: np.ndarray, root: int, name: str | None = None):
+    meta = Meta("broadcast", name, (arr.dtype.name,), (arr.shape,), root=root)
+    return engine.submit(Work(meta=meta, handle=engine.new_handle(name), arrays=[arr], finish=lambda: arr)).wait()
+
+
+def join(engine: Engine) -> int:
+    h = engine.new_handle(None)
+    engine.submit(Work(meta=Meta("barrier", None, (), ()), handle=h, join=True))
+    return h.wait()
+
+
+def data(rank: int, n: int, dtype: str) -> np.ndarray:
+    return ((np.arange(n) % 7) - 3 + rank).astype(dtype)
+
+
+@pytest.mark.parametrize("servers,local", [(1, 3), (2, 2), (3, 1)])
+def test_allreduce_sum_min_max_exact(cfg, servers: int, local: int) -> None:
+    size = servers * local
+
+    def body(rank, engine):
+        out = {}
+        for dt in ("int32", "float32", "int8", "uint8", "int16", "float64", "float16"):
+            x = data(rank, 1001, dt)
+            allreduce(engine, x, "sum")
+            out[dt] = x
+        lo = allreduce(engine, data(rank, 10, "int64"), "min")
+        hi = allreduce(engine, data(rank, 10, "int64"), "max")
+        return out, lo, hi
+
+    for out, lo, hi in run_job(cfg, servers, local, body):
+        for dt, x in out.items():
+            want = sum(data(r, 1001, "int64") for r in range(size)).astype(dt)
+            np.testing.assert_array_equal(x, want, err_msg=dt)
+        np.testing.assert_array_equal(lo, data(0, 10, "int64"))
+        np.testing.assert_array_equal(hi, data(size - 1, 10, "int64"))
+
+
+def test_average_and_scaling_follow_horovod(cfg) -> None:
+    """Average = sum * (post / size) with Horovod's rules: ints truncate toward zero, float32 math in float32."""
+    size = 4
+
+    def body(rank, engine):
+        a = np.array([-7, -3, 1, 5, 6], dtype=np.int32) + rank
+        allreduce(engine, a, "average")
+        f = np.linspace(-2, 2, 9, dtype=np.float32) * (rank + 1)
+        allreduce(engine, f, "sum", pre=0.3, post=1.7)
+        return a, f
+
+    for a, f in run_job(cfg, 2, 2, body):
+        s = sum(np.array([-7, -3, 1, 5, 6], dtype=np.int64) + r for r in range(size))
+        np.testing.assert_array_equal(a, np.trunc(s * (1.0 / size)).astype(np.int32))
+        parts = [np.linspace(-2, 2, 9, dtype=np.float32) * (r + 1) * np.float32(0.3) for r in range(size)]
+        # The tree sums in its own order; compare to float64 within float32 rounding.
+        np.testing.assert_allclose(f, np.sum(parts, axis=0, dtype=np.float64) * np.float32(1.7), rtol=1e-6, atol=1e-6)
+
+
+def test_broadcast_from_every_root_including_second_server(cfg) -> None:
+    size = 4
+
+    def body(rank, engine):
+        got = []
+        for root in range(size):
+            x = np.full(37, rank * 10, dtype=np.int64)
+            broadcast(engine, x, root)
+            got.append(x.copy())
+        return got
+
+    for got in run_job(cfg, 2, 2, body):
+        for root, x in enumerate(got):
+            np.testing.assert_array_equal(x, np.full(37, root * 10))
+
+
+def test_queued_collectives_fuse_into_few_rounds(cfg) -> None:
+    def body(rank, engine):
+        arrays = [np.full(5 + i, i + rank, dtype=np.float32) for i in range(20)]
+        handles = [allreduce(engine, a, "sum", wait=False) for a in arrays]
+        outs = [h.wait() for h in handles]
+        return outs, engine._round
+
+    for outs, rounds in run_job(cfg, 2, 2, body):
+        for i, o in enumerate(outs):
+            np.testing.assert_array_equal(o, np.full(5 + i, 4 * i + 6, dtype=np.float32))
+        assert rounds < 20  # several queued allreduces ran as one fused round
+
+
+def test_mismatched_shapes_raise_on_every_rank(cfg) -> None:
+    def body(rank, engine):
+        with pytest.raises(MismatchError) as info:
+            allreduce(engine, np.zeros(17 + (rank == 2), dtype=np.float32))
+        # the engine keeps working after a mismatch
+        ok = allreduce(engine, np.ones(3, dtype=np.float32))
+        return str(info.value), ok
+
+    for msg, ok in run_job(cfg, 2, 2, body):
+        assert "Mismatched" in msg
+        np.testing.assert_array_equal(ok, np.full(3, 4.0, dtype=np.float32))
+
+
+def test_mismatch_is_also_horovods_error_class(cfg) -> None:
+    hie = pytest.importorskip("horovod.common.exceptions").HorovodInternalError
+
+    def body(rank, engine):
+        with pytest.raises(hie):
+            allreduce(engine, np.zeros(3, dtype=np.float32 if rank else np.float64))
+        return True
+
+    assert all(run_job(cfg, 1, 2, body))
+
+
+def test_join_contributes_zeros_and_returns_last_rank(cfg) -> None:
+    size = 4
+
+    def body(rank, engine):
+        if rank == 1:  # joins at once; the others run two allreduces first
+            return "joined", join(engine)
+        x = np.array([4, 8, -6], dtype=np.int32) * (rank + 1)
+        allreduce(engine, x, "sum")
+        y = np.array([4, 8, -6], dtype=np.int32)
+        allreduce(engine, y, "average")
+        return (x, y), join(engine)
+
+    results = run_job(cfg, 2, 2, body)
+    lasts = {last for _, last in results}
+    assert len(lasts) == 1 and lasts.pop() in (0, 2, 3)
+    for rank, (res, _) in enumerate(results):
+        if rank == 1:
+            continue
+        x, y = res
+        np.testing.assert_array_equal(x, np.array([4, 8, -6]) * (1 + 3 + 4))
+        # Horovod: joined ranks count in the divisor: 3 contributions over size 4
+        np.testing.assert_array_equal(y, np.trunc(np.array([4, 8, -6]) * 3 * (1.0 / size)).astype(np.int32))
+
+
+def test_broadcast_while_a_rank_has_joined_fails_cleanly(cfg) -> None:
+    def body(rank, engine):
+        if rank == 0:
+            return join(engine)
+        with pytest.raises(BlinkInternalError, match="join"):
+            broadcast(engine, np.zeros(4, dtype=np.float32), 1)
+        return join(engine)
+
+    assert len(set(run_job(cfg, 1, 3, body))) == 1
+
+
+def test_duplicate_inflight_name_is_a_value_error(cfg) -> None:
+    import time
+
+    def body(rank, engine):
+        if rank == 2:  # holds the collective back, so "dup" stays in flight on ranks 0 and 1
+            time.sleep(0.5)
+            return allreduce(engine, np.ones(8, dtype=np.float32), name="dup")
+        h = allreduce(engine, np.ones(8, dtype=np.float32), name="dup", wait=False)
+        with pytest.raises(ValueError, match="same name"):
+            allreduce(engine, np.ones(8, dtype=np.float32), name="dup", wait=False)
+        return h.wait()
+
+    for out in run_job(cfg, 1, 3, body):
+        np.testing.assert_array_equal(out, np.full(8, 3.0, dtype=np.float32))

@@ -1,0 +1,180 @@
+"""Pure parts of the Horovod integration: scaling arithmetic, layout, buckets, negotiation decisions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from blink_horovod.errors import ConfigError
+from blink_horovod.ops.fusion import BucketTracker, FlatBuffer, fusion_threshold, plan_buckets
+from blink_horovod.ops.layout import Layout, layout_from_env, layout_from_horovod
+from blink_horovod.ops.negotiation import (Meta, Proposal, ServerView, decide_global, decide_server,
+                                           encode_summary, head_from_summary)
+from blink_horovod.ops.scaling import average_postscale, scale_into
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- scaling: Horovod's ScaleBufferCPUImpl ---------------------------------------------------------------------
+
+def test_float32_scales_in_float32() -> None:
+    x = np.array([1.1, -2.3, 77.7], dtype=np.float32)
+    out = np.empty_like(x)
+    scale_into(out, x, 0.123456789)
+    np.testing.assert_array_equal(out, x * np.float32(0.123456789))
+
+
+def test_integers_scale_in_double_and_truncate_toward_zero() -> None:
+    x = np.array([-7, -3, 3, 7, 2**31 - 1], dtype=np.int64)
+    out = np.empty_like(x)
+    scale_into(out, x, 0.5)
+    np.testing.assert_array_equal(out, [-3, -1, 1, 3, (2**31 - 1) // 2])
+    for dt in ("int8", "uint8", "int16", "int32"):
+        y = np.array([5, 9], dtype=dt)
+        scale_into(y, y, 1.0 / 3)
+        np.testing.assert_array_equal(y, np.array([1, 3], dtype=dt))
+
+
+def test_float16_scales_through_float32() -> None:
+    x = np.array([1.0, 3.0, 1000.0], dtype=np.float16)
+    out = np.empty_like(x)
+    scale_into(out, x, 0.1)
+    np.testing.assert_array_equal(out, (x.astype(np.float32) * np.float32(0.1)).astype(np.float16))
+
+
+def test_average_postscale() -> None:
+    assert average_postscale(2.0, 4) == 0.5
+
+
+# -- layout ----------------------------------------------------------------------------------------------------------
+
+def test_layout_servers_and_cross_sets() -> None:
+    lay = Layout(rank=5, size=8, local_size=4)
+    assert (lay.server, lay.local_rank, lay.num_servers) == (1, 1, 2)
+    assert lay.server_ranks() == [4, 5, 6, 7]
+    assert lay.cross_ranks() == [1, 5]
+    assert lay.all_cross_sets() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.locate(6) == (1, 2)
+    assert lay.covers_whole_servers([4, 5, 6, 7]) == [1]
+    assert lay.covers_whole_servers([0, 1, 4, 5]) is None
+
+
+def test_layout_rejects_bad_local_size() -> None:
+    with pytest.raises(ConfigError, match="BLINK_LOCAL_SIZE"):
+        Layout(rank=0, size=6, local_size=4)
+    with pytest.raises(ConfigError, match="BLINK_LOCAL_SIZE"):
+        layout_from_env({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "4", "BLINK_LOCAL_SIZE": "zero"})
+
+
+def test_layout_from_launcher_variables() -> None:
+    gloo = {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_SIZE": "2"}
+    assert layout_from_env(gloo) == Layout(3, 4, 2)
+    mpi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+           "BLINK_LOCAL_SIZE": "2"}
+    assert layout_from_env(mpi) == Layout(1, 4, 2)  # BLINK_LOCAL_SIZE wins: two servers on one host
+    assert layout_from_env({}) is None
+    assert layout_from_horovod(0, 6, 2, False, {}) is None  # servers of different sizes: Blink stays out
+    assert layout_from_horovod(0, 6, 4, False, {"BLINK_LOCAL_SIZE": "3"}) == Layout(0, 6, 3)
+
+
+# -- fusion ------------------------------------------------------------------------------------------------------------
+
+def test_plan_buckets_threshold() -> None:
+    assert plan_buckets([4, 4, 4, 10, 1], 8) == [[0, 1], [2], [3], [4]]
+    assert plan_buckets([1, 2, 3], 0) == [[0], [1], [2]]
+    assert plan_buckets([], 8) == []
+
+
+def test_bucket_tracker_launches_in_order_only() -> None:
+    t = BucketTracker([[0, 1], [2], [3, 4]])
+    assert t.ready(3) == [] and t.ready(2) == []   # bucket 1 complete, but bucket 0 not launched yet
+    assert t.ready(0) == [] and t.ready(1) == [0, 1]
+    assert t.ready(4) == [2] and t.launched_all()
+    t.reset()
+    assert t.ready(2) == [] and t.pending() == [0, 1, 2]
+
+
+def test_fusion_threshold_env() -> None:
+    assert fusion_threshold({}) == 128 * 1024 * 1024
+    assert fusion_threshold({"HOROVOD_FUSION_THRESHOLD": "0"}) == 0
+    with pytest.raises(ConfigError, match="HOROVOD_FUSION_THRESHOLD"):
+        fusion_threshold({"HOROVOD_FUSION_THRESHOLD": "lots"})
+
+
+def test_flat_buffer_round_trip_and_single_view() -> None:
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(4, dtype=np.float32)
+    buf = FlatBuffer([a, b])
+    np.testing.assert_array_equal(buf.flat, np.concatenate([a.ravel(), b]))
+    buf.flat *= 2
+    buf.copy_out()
+    np.testing.assert_array_equal(b, np.arange(4) * 2)
+    single = FlatBuffer([a])
+    assert np.shares_memory(single.flat, a)
+    with pytest.raises(ValueError, match="mixed dtypes"):
+        FlatBuffer([a, b.astype(np.float64)])
+
+
+# -- negotiation ---------------------------------------------------------------------------------------------------------
+
+def meta(shape=(4,), dtype="float32", name=None, op="sum", kind="allreduce", root=-1):
+    return Meta(kind, name, (dtype,), (tuple(shape),), op=op, root=root)
+
+
+def test_agreement_takes_the_common_prefix_for_fusion() -> None:
+    p0 = Proposal(0, (meta((4,)), meta((5,)), meta((6,))))
+    p1 = Proposal(1, (meta((4,)), meta((5,))))
+    view = decide_server([p0, p1])
+    assert view.count == 2 and not view.mismatch
+    d = decide_global(view, None, 0)
+    assert d.action == "run" and d.count == 2
+
+
+def test_mismatch_names_both_ranks_and_the_field() -> None:
+    view = decide_server([Proposal(0, (meta((17, 17)),)), Proposal(1, (meta((18, 18)),))])
+    d = decide_global(view, None, 0)
+    assert d.action == "mismatch"
+    assert "tensor shapes" in d.message and "rank 0" in d.message and "rank 1" in d.message
+    d2 = decide_global(decide_server([Proposal(0, (meta(dtype="int32"),)), Proposal(1, (meta(),))]), None, 0)
+    assert "data types" in d2.message
+    d3 = decide_global(decide_server([Proposal(0, (meta(name="a"),)), Proposal(1, (meta(name="b"),))]), None, 0)
+    assert "tensor names" in d3.message
+    d4 = decide_global(decide_server([Proposal(0, (meta(kind="broadcast", root=0),)),
+                                      Proposal(1, (meta(kind="broadcast", root=1),))]), None, 0)
+    assert "root ranks" in d4.message
+
+
+def test_unnamed_and_named_agree() -> None:
+    view = decide_server([Proposal(0, (meta(name="g"),)), Proposal(1, (meta(),))])
+    assert view.count == 1
+
+
+def test_join_rounds() -> None:
+    view = decide_server([Proposal(0, joined=True, join_round=3), Proposal(1, (meta(), meta()))])
+    d = decide_global(view, None, 0)
+    assert d.action == "run" and d.count == 1 and d.any_joined  # single collectives while anyone has joined
+    done = decide_global(decide_server([Proposal(0, joined=True, join_round=3),
+                                        Proposal(1, joined=True, join_round=5)]), None, 0)
+    assert done.action == "done_join" and done.last_joined == 1
+
+
+def test_cross_server_summaries() -> None:
+    a = decide_server([Proposal(0, (meta((8,)), meta((9,)))), Proposal(1, (meta((8,)), meta((9,))))])
+    b = decide_server([Proposal(2, (meta((8,)),)), Proposal(3, (meta((8,)),))])
+    d = decide_global(a, np.stack([encode_summary(a), encode_summary(b)]), 0)
+    assert d.action == "run" and d.count == 1
+    c = decide_server([Proposal(2, (meta((7,)),)), Proposal(3, (meta((7,)),))])
+    bad = decide_global(a, np.stack([encode_summary(a), encode_summary(c)]), 0)
+    assert bad.action == "mismatch" and "server 1" in bad.message
+    # a fully joined server learns the collective to serve from the summary alone
+    joined = decide_server([Proposal(2, joined=True, join_round=0), Proposal(3, joined=True, join_round=0)])
+    d = decide_global(joined, np.stack([encode_summary(a), encode_summary(joined)]), 1)
+    assert d.action == "run" and d.head.numel_by_dtype() == {"float32": 8}
+
+
+def test_summary_round_trip() -> None:
+    m = Meta("allreduce", None, ("float32", "int64", "float32"), ((2, 3), (4,), (5,)), op="average",
+             prescale=0.25, postscale=2.0)
+    v = encode_summary(ServerView(2, 0, 1, (123,), m))
+    h = head_from_summary(v)
+    assert h.op == "average" and h.prescale == 0.25 and h.postscale == 2.0
+    assert h.numel_by_dtype() == {"float32": 11, "int64": 4}
