@@ -1,0 +1,244 @@
+"""Reduction and staging kernels of the GPU executor, generated per dtype as CUDA C++ source.
+
+Blink (MLSys 2020, section 4) reduces each chunk on the receiving GPU; here a
+small kernel per (dtype, op) reads the peer's IPC-mapped buffer directly and
+writes the own one, ``dst[i] = op(a[i], b[i])``.  Two more kernels per dtype
+copy the user's tensor into the shared buffer and back (``stage_in``,
+``stage_out``; the latter finishes ``average``), reading the user pointer
+from a device argument slot, so one captured graph serves any tensor.
+
+The element functions are plain C++ with no headers, so that
+
+* NVRTC compiles them without the toolkit's ``cuda_fp16.h``/``cuda_bf16.h``
+  (not always on the include path of a pip-installed CuPy), and
+* the very same functions compile for the host (``g++``), where the unit
+  tests check them against numpy bit for bit (tests/unit/test_gpu_kernels.py).
+
+Semantics follow the CPU runtime (:mod:`blink_horovod.runtime.dtypes`):
+float16/bfloat16 compute in float32 and round to nearest even (numpy's and
+ml_dtypes' way; for + and * that equals correct rounding, float32 having more
+than 2p+2 bits); integers wrap; min/max propagate NaN as ``np.minimum``;
+``average`` divides floats by n and truncates ``x * (1.0 / n)`` in double for
+integers (Horovod's ``ScaleBuffer``).
+"""
+
+from __future__ import annotations
+
+from ...errors import ConfigError
+from ..dtypes import DTYPES, check_op
+
+__all__ = [
+    "BLOCK",
+    "KERNEL_OPS",
+    "device_source",
+    "element_source",
+    "grid_for",
+    "host_test_source",
+    "kernel_name",
+]
+
+BLOCK = 256  # threads per block
+MAX_GRID = 4096  # blocks: enough to fill an H200 (132 SMs) many times over; grid-stride beyond
+KERNEL_OPS = ("sum", "min", "max", "product")  # average reduces as sum
+
+# dtype -> (storage C type, compute C type, to-compute, from-compute, family)
+_TYPES = {
+    "float32": ("float", "float", "", "", "float"),
+    "float64": ("double", "double", "", "", "float"),
+    "float16": ("unsigned short", "float", "blink_f16_to_f32", "blink_f32_to_f16", "float"),
+    "bfloat16": ("unsigned short", "float", "blink_bf16_to_f32", "blink_f32_to_bf16", "float"),
+    "int8": ("signed char", "int", "", "", "int"),
+    "uint8": ("unsigned char", "int", "", "", "int"),
+    "int16": ("short", "int", "", "", "int"),
+    "int32": ("int", "unsigned int", "", "", "int"),
+    "int64": ("long long", "unsigned long long", "", "", "int"),
+}
+assert set(_TYPES) == set(DTYPES)
+
+_PRELUDE = r"""
+#if defined(__CUDACC__)
+#define BLINK_HD __host__ __device__ __forceinline__
+#else
+#define BLINK_HD static inline
+#endif
+typedef unsigned int blink_u32;
+typedef unsigned long long blink_u64;
+typedef long long blink_i64;
+
+BLINK_HD float blink_bits_f32(blink_u32 x) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(x);
+#else
+    float f; __builtin_memcpy(&f, &x, 4); return f;
+#endif
+}
+BLINK_HD blink_u32 blink_f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(f);
+#else
+    blink_u32 x; __builtin_memcpy(&x, &f, 4); return x;
+#endif
+}
+/* bfloat16 is the top half of a float32. */
+BLINK_HD float blink_bf16_to_f32(unsigned short h) { return blink_bits_f32(((blink_u32)h) << 16); }
+BLINK_HD unsigned short blink_f32_to_bf16(float f) {
+    blink_u32 x = blink_f32_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((x >> 16) | 0x0040u); /* quiet NaN */
+    return (unsigned short)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16); /* nearest even */
+}
+/* IEEE binary16 <-> binary32, exact / nearest even, as numpy's npy_half. */
+BLINK_HD float blink_f16_to_f32(unsigned short h) {
+    blink_u32 sign = ((blink_u32)(h & 0x8000u)) << 16;
+    blink_u32 e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1fu) return blink_bits_f32(sign | 0x7f800000u | (m << 13));
+    if (e == 0) {
+        if (m == 0) return blink_bits_f32(sign);
+        blink_u32 ee = 113u;  /* 127 - 15 + 1 */
+        while (!(m & 0x400u)) { m <<= 1; ee -= 1u; }
+        return blink_bits_f32(sign | (ee << 23) | ((m & 0x3ffu) << 13));
+    }
+    return blink_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+BLINK_HD unsigned short blink_f32_to_f16(float f) {
+    blink_u32 x = blink_f32_bits(f);
+    blink_u32 sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) {  /* NaN: keep the top payload bits, never become infinity */
+        blink_u32 r = 0x7c00u + ((ax & 0x7fffffu) >> 13);
+        if (r == 0x7c00u) r += 1u;
+        return (unsigned short)(sign | r);
+    }
+    if (ax >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  /* rounds past 65504 */
+    if (ax < 0x38800000u) {  /* below 2^-14: subnormal half or zero */
+        if (ax <= 0x33000000u) return (unsigned short)sign;  /* <= 2^-25 rounds to (even) zero */
+        blink_u32 e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u, shift = 126u - e;
+        blink_u32 r = m >> shift, rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (r & 1u))) r += 1u;
+        return (unsigned short)(sign | r);
+    }
+    blink_u32 r = (((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13), rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r += 1u;
+    return (unsigned short)(sign | r);
+}
+"""
+
+
+def _check_dtype(dtype: str) -> tuple[str, str, str, str, str]:
+    spec = _TYPES.get(dtype)
+    if spec is None:
+        raise ConfigError(f"dtype: {dtype!r} has no GPU kernels (expected one of {', '.join(DTYPES)})")
+    return spec
+
+
+def element_source(dtype: str) -> str:
+    """Prelude plus ``blink_op_<op>`` and ``blink_finish_average`` for ``dtype`` (host and device)."""
+    store, comp, to, frm, family = _check_dtype(dtype)
+    lines = [_PRELUDE, f"typedef {store} blink_t;"]
+    if family == "float":
+        def tc(v: str) -> str:
+            return f"{to}({v})" if to else v
+
+        def fc(v: str) -> str:
+            return f"{frm}({v})" if frm else v
+
+        x, y = tc("x"), tc("y")
+        lines += [
+            f"BLINK_HD blink_t blink_op_sum(blink_t x, blink_t y) {{ return {fc('(' + x + ' + ' + y + ')')}; }}",
+            f"BLINK_HD blink_t blink_op_product(blink_t x, blink_t y) {{ return {fc('(' + x + ' * ' + y + ')')}; }}",
+            # NaN propagates as np.minimum/np.maximum: (a < b || a != a) ? a : b, returning the operand itself.
+            f"BLINK_HD blink_t blink_op_min(blink_t x, blink_t y) {{ {comp} a = {x}, b = {y}; "
+            "return (a < b || a != a) ? x : y; }",
+            f"BLINK_HD blink_t blink_op_max(blink_t x, blink_t y) {{ {comp} a = {x}, b = {y}; "
+            "return (a > b || a != a) ? x : y; }",
+            f"BLINK_HD blink_t blink_finish_average(blink_t x, int n) {{ return {fc('(' + x + ' / (' + comp + ')n)')}; }}",
+        ]
+    else:
+        # Wrap-around as numpy: compute in `comp` (unsigned for 32/64 bits, int for narrower types,
+        # whose products fit an int), truncate on the way back.
+        lines += [
+            f"BLINK_HD blink_t blink_op_sum(blink_t x, blink_t y) {{ return (blink_t)(({comp})x + ({comp})y); }}",
+            f"BLINK_HD blink_t blink_op_product(blink_t x, blink_t y) {{ return (blink_t)(({comp})x * ({comp})y); }}",
+            "BLINK_HD blink_t blink_op_min(blink_t x, blink_t y) { return x < y ? x : y; }",
+            "BLINK_HD blink_t blink_op_max(blink_t x, blink_t y) { return x > y ? x : y; }",
+            # Horovod's ScaleBuffer: trunc(x * (1.0 / n)) in double; the cast truncates toward zero.
+            "BLINK_HD blink_t blink_finish_average(blink_t x, int n) "
+            "{ return (blink_t)(blink_i64)((double)x * (1.0 / (double)n)); }",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def kernel_name(kind: str, dtype: str, op: str | None = None) -> str:
+    """``blink_reduce_sum_float32``, ``blink_stage_in_float32``, ``blink_stage_out_float32``."""
+    _check_dtype(dtype)
+    if kind == "reduce":
+        op = check_op(op or "sum")
+        op = "sum" if op == "average" else op
+        return f"blink_reduce_{op}_{dtype}"
+    if kind in ("stage_in", "stage_out"):
+        return f"blink_{kind}_{dtype}"
+    raise ConfigError(f"kernel kind: {kind!r} (expected reduce, stage_in or stage_out)")
+
+
+def device_source(dtype: str) -> str:
+    """One CUDA module for ``dtype``: a reduce kernel per op, ``stage_in`` and ``stage_out``.
+
+    Pointers travel as ``unsigned long long`` (passed from Python as
+    ``numpy.uint64``), element counts as ``long long``.  ``args`` points to a
+    device slot holding the user tensor's base address (bytes), which the host
+    fills before each launch.
+    """
+    src = [element_source(dtype)]
+    loop = ("for (blink_i64 i = (blink_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; "
+            "i += (blink_i64)gridDim.x * blockDim.x)")
+    for op in KERNEL_OPS:
+        src.append(
+            f'extern "C" __global__ void {kernel_name("reduce", dtype, op)}'
+            "(blink_u64 dst, blink_u64 a, blink_u64 b, blink_i64 n) {\n"
+            "    blink_t* __restrict__ d = (blink_t*)dst;\n"
+            "    const blink_t* x = (const blink_t*)a;  /* may alias d: in-place reduction */\n"
+            "    const blink_t* __restrict__ y = (const blink_t*)b;\n"
+            f"    {loop} d[i] = blink_op_{op}(x[i], y[i]);\n"
+            "}\n"
+        )
+    src.append(
+        f'extern "C" __global__ void {kernel_name("stage_in", dtype)}'
+        "(blink_u64 args, blink_i64 user_offset, blink_u64 buf, blink_i64 n) {\n"
+        "    const blink_t* __restrict__ u = (const blink_t*)(*(const volatile blink_u64*)args) + user_offset;\n"
+        "    blink_t* __restrict__ d = (blink_t*)buf;\n"
+        f"    {loop} d[i] = u[i];\n"
+        "}\n"
+    )
+    src.append(
+        f'extern "C" __global__ void {kernel_name("stage_out", dtype)}'
+        "(blink_u64 args, blink_i64 user_offset, blink_u64 buf, blink_i64 n, int average_n) {\n"
+        "    blink_t* __restrict__ u = (blink_t*)(*(const volatile blink_u64*)args) + user_offset;\n"
+        "    const blink_t* __restrict__ s = (const blink_t*)buf;\n"
+        f"    if (average_n > 1) {{ {loop} u[i] = blink_finish_average(s[i], average_n); }}\n"
+        f"    else {{ {loop} u[i] = s[i]; }}\n"
+        "}\n"
+    )
+    return "\n".join(src)
+
+
+def host_test_source(dtype: str) -> str:
+    """The element functions wrapped as host loops (``extern "C"``), for the unit tests' g++ build."""
+    src = [element_source(dtype)]
+    for op in KERNEL_OPS:
+        src.append(
+            f'extern "C" void host_{op}(const blink_t* a, const blink_t* b, blink_t* out, blink_i64 n) '
+            f"{{ for (blink_i64 i = 0; i < n; ++i) out[i] = blink_op_{op}(a[i], b[i]); }}"
+        )
+    src.append(
+        'extern "C" void host_average(const blink_t* a, blink_t* out, blink_i64 n, int k) '
+        "{ for (blink_i64 i = 0; i < n; ++i) out[i] = blink_finish_average(a[i], k); }"
+    )
+    if dtype == "float16":
+        src.append('extern "C" void host_f16_to_f32(const unsigned short* a, float* out, blink_i64 n) '
+                   "{ for (blink_i64 i = 0; i < n; ++i) out[i] = blink_f16_to_f32(a[i]); }")
+        src.append('extern "C" void host_f32_to_f16(const float* a, unsigned short* out, blink_i64 n) '
+                   "{ for (blink_i64 i = 0; i < n; ++i) out[i] = blink_f32_to_f16(a[i]); }")
+    return "\n".join(src) + "\n"
+
+
+def grid_for(n: int) -> int:
+    """Blocks for ``n`` elements (grid-stride loops cover the rest)."""
+    return max(1, min(MAX_GRID, -(-n // BLOCK)))
