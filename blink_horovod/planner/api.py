@@ -49,10 +49,17 @@ class PlannerSettings:
     """Effort knobs (deterministic: counts, never seconds)."""
 
     mwu_eps: float = 0.1
-    mwu_iterations: int = 600
+    mwu_iterations: int = 600  # for up to 8 GPUs; fewer above (see mwu_budget)
     tight_samples: int = 64
     milp_nodes: int = 50
     seed: int = 0
+
+    def mwu_budget(self, n: int) -> int:
+        """MWU iterations for ``n`` GPUs: each costs a spanning-tree call, O(n^2) and up."""
+        return self.mwu_iterations if n <= 8 else max(100, self.mwu_iterations * 8 // n)
+
+    def tight_budget(self, n: int) -> int:
+        return self.tight_samples if n <= 16 else max(16, self.tight_samples * 16 // n)
 
 
 DEFAULT_SETTINGS = PlannerSettings()
@@ -142,10 +149,10 @@ def _shallow_seeds(net: Network, root: int) -> list[TreeKey]:
 def plan_channel(net: Network, root: int, shallow: bool, settings: PlannerSettings = DEFAULT_SETTINGS) -> ChannelPlan:
     """Pack one channel: MWU candidates, exact optimum, few-tree refinement."""
     seeds = _shallow_seeds(net, root)
-    mwu = mwu_packing(net, settings.mwu_eps, root, max_iterations=settings.mwu_iterations)
+    mwu = mwu_packing(net, settings.mwu_eps, root, max_iterations=settings.mwu_budget(net.n))
     opt = optimal_packing(net, list(mwu.trees) + seeds, root)
     rng = np.random.default_rng(settings.seed)
-    tight = tight_trees(net, opt.duals, root, settings.tight_samples, rng)
+    tight = tight_trees(net, opt.duals, root, settings.tight_budget(net.n), rng)
     refined = fewest_trees(
         net,
         # most promising first: the pool is capped

@@ -71,6 +71,13 @@ def multi_root(trees: Sequence[tuple[tuple[int, int], ...]], fractions: Sequence
     """
     total = sum(fractions)
     remaining = [f / total for f in fractions]
+    memo: dict[tuple[int, int], int] = {}
+
+    def ecc(t: int, r: int) -> int:
+        if (t, r) not in memo:
+            memo[(t, r)] = eccentricity(trees[t], r)
+        return memo[(t, r)]
+
     share = 1.0 / n
     # Whole-share trees first, each in the free share whose owner is its best centre.
     owner_of: dict[int, list[int]] = {}
@@ -82,7 +89,7 @@ def multi_root(trees: Sequence[tuple[tuple[int, int], ...]], fractions: Sequence
         for _ in range(k):
             if not free:
                 break
-            i = min(free, key=lambda r: (eccentricity(trees[t], r), r))
+            i = min(free, key=lambda r: (ecc(t, r), r))
             free.discard(i)
             owner_of.setdefault(i, []).append(t)
             remaining[t] -= share
@@ -97,7 +104,7 @@ def multi_root(trees: Sequence[tuple[tuple[int, int], ...]], fractions: Sequence
         while room > FILL_TOL and queue:
             # The tree shallowest from this owner goes first (each share still splits at
             # most one tree, so there are at most T + n - 1 pieces).
-            t = min(queue, key=lambda q: (eccentricity(trees[q], i), -remaining[q], q))
+            t = min(queue, key=lambda q: (ecc(q, i), -remaining[q], q))
             take = min(remaining[t], room)
             if remaining[t] - take <= FILL_TOL:
                 take = remaining[t]

@@ -55,6 +55,7 @@ MILP_MAX_POOL = 40  # candidate trees; above this the count MILP is skipped
 MAX_POOL = 150
 MAX_UNIFORM = 10
 _GREEDY_PROBES = 8  # trees whose largest possible weight is probed per greedy step
+GREEDY_MAX_LPS = 240
 
 
 @dataclass
@@ -164,17 +165,22 @@ class _PoolLP:
         self.lp.set_col_upper(j, 0.0)
 
 
-def _greedy(a: np.ndarray, cap: np.ndarray, keep: float, order: np.ndarray) -> list[tuple[int, float]] | None:
+def _greedy(a: np.ndarray, cap: np.ndarray, keep: float, order: np.ndarray, limit: int) -> list[tuple[int, float]] | None:
     """Heaviest-tree-first decomposition of a packing of rate >= keep (units of the optimum).
 
-    ``order`` breaks ties between equally heavy trees (lower first).
+    ``order`` breaks ties between equally heavy trees (lower first).  Gives up
+    (None) once it has placed ``limit`` trees without reaching ``keep``, or
+    after ``GREEDY_MAX_LPS`` LP solves (a deterministic effort cap).
     """
     pool = _PoolLP(a, cap)
     residual = cap.astype(float).copy()
     placed = 0.0
     chosen: list[tuple[int, float]] = []
     alive = np.ones(a.shape[1], dtype=bool)
-    while placed < keep - 1e-12 and len(chosen) < a.shape[1]:
+    probes = _GREEDY_PROBES if limit <= 24 else 2
+    if limit * (probes + 1) > GREEDY_MAX_LPS:
+        return None
+    while placed < keep - 1e-12 and len(chosen) < min(a.shape[1], limit):
         pool.set_rate(-np.inf)
         x = pool.maximise(alive.astype(float))
         if x is None:
@@ -182,7 +188,7 @@ def _greedy(a: np.ndarray, cap: np.ndarray, keep: float, order: np.ndarray) -> l
         target = float(x.sum())
         if placed + target < keep - 1e-9:
             return None
-        ranked = sorted(np.flatnonzero(alive & (x > 1e-12)), key=lambda j: (-x[j], order[j]))[:_GREEDY_PROBES]
+        ranked = sorted(np.flatnonzero(alive & (x > 1e-12)), key=lambda j: (-x[j], order[j]))[:probes]
         pool.set_rate(target * (1 - 1e-7))
         best_j, best_w = -1, -1.0
         for j in ranked:
@@ -386,7 +392,7 @@ def fewest_trees(
                 proven = k <= 2  # k = 1 was infeasible, so 2 is the fewest
                 break
     if incumbent is None:
-        found = _greedy(a, cap, target, depth)
+        found = _greedy(a, cap, target, depth, len(fallback.trees) - 1)
         if found is not None and len(found) < len(fallback.trees):
             incumbent = found
             options.append(([j for j, _ in found], "greedy"))

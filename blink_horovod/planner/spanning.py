@@ -3,9 +3,12 @@
 * :func:`min_spanning_tree` — Prim's algorithm on a dense symmetric matrix,
   O(n^2) (Prim 1957); the allreduce pricer.
 * :func:`min_arborescence` — Chu-Liu/Edmonds' minimum-cost arborescence
-  (Chu & Liu 1965; Edmonds, "Optimum branchings", 1967) out of a fixed root,
-  by the classic cycle-contraction recursion on a dense matrix; the broadcast
-  pricer.
+  (Chu & Liu 1965; Edmonds, "Optimum branchings", 1967) out of a fixed root;
+  the broadcast pricer.  Small graphs use the classic level-by-level
+  contraction on lists; bigger ones contract each cycle as it is found on a
+  dense matrix (the order of Tarjan, "Finding optimum branchings", 1977),
+  O(n^2) array work per call, where a switch's uniform weights would drive
+  the level-by-level recursion n levels deep.
 
 Both take ``w[u, v]`` (``inf`` where no edge exists) and return the tree as
 ``(parent, child)`` index pairs, or ``None`` when no spanning tree exists.
@@ -95,7 +98,7 @@ def min_arborescence(w: np.ndarray, root: int) -> list[tuple[int, int]] | None:
     if n <= _SMALL:
         par = _edmonds_lists(np.asarray(w, dtype=float).tolist(), root)
     else:
-        par = _edmonds(np.asarray(w, dtype=float), root)
+        par = _edmonds_contracting(np.asarray(w, dtype=float), root)
     if par is None:
         return None
     return [(int(par[v]), v) for v in range(n) if v != root]
@@ -103,12 +106,12 @@ def min_arborescence(w: np.ndarray, root: int) -> list[tuple[int, int]] | None:
 
 # Below this many vertices plain lists beat numpy: each numpy call costs ~1 us,
 # more than a whole row of Python float compares.
-_SMALL = 48
+_SMALL = 20
 _INF = float("inf")
 
 
 def _edmonds_lists(w: list[list[float]], root: int) -> list[int] | None:
-    """:func:`_edmonds` on nested lists (same algorithm, for small graphs)."""
+    """Parent list of a min-cost arborescence from ``root``: contract all cycles, recurse."""
     n = len(w)
     par = [root] * n
     best = [0.0] * n
@@ -167,68 +170,6 @@ def _edmonds_lists(w: list[list[float]], root: int) -> list[int] | None:
     return out
 
 
-def _edmonds(w: np.ndarray, root: int) -> np.ndarray | None:
-    """Parent array of a min-cost arborescence of ``w`` from ``root`` (recursive contraction)."""
-    n = w.shape[0]
-    w = w.copy()
-    np.fill_diagonal(w, np.inf)
-    w[:, root] = np.inf
-    par = np.argmin(w, axis=0)
-    best = w[par, np.arange(n)]
-    # Ties go to the root first, then to low indices: shallow trees.
-    par = np.where(w[root] <= best, root, par)
-    best[root] = 0.0
-    par[root] = root
-    if not np.all(np.isfinite(best)):
-        return None
-    cycles = _cycles(par, root)
-    if not cycles:
-        return par
-    # Contract every cycle to one vertex; entering a cycle at v costs
-    # w[u, v] - best[v] (the cycle edge into v is dropped).
-    label = np.full(n, -1, dtype=np.int64)
-    m = 0
-    in_cycle = np.zeros(n, dtype=bool)
-    for cyc in cycles:
-        label[cyc] = m
-        in_cycle[cyc] = True
-        m += 1
-    for v in range(n):
-        if label[v] < 0:
-            label[v] = m
-            m += 1
-    reduced = w - np.where(in_cycle, best, 0.0)[None, :]
-    members = [np.flatnonzero(label == a) for a in range(m)]
-    # Row-group minima: for every group a and original target v, the cheapest u in a.
-    row_min = np.empty((m, n))
-    row_arg = np.empty((m, n), dtype=np.int64)
-    for a, rows in enumerate(members):
-        sub = reduced[rows]
-        j = np.argmin(sub, axis=0)
-        row_min[a] = sub[j, np.arange(n)]
-        row_arg[a] = rows[j]
-    w2 = np.full((m, m), np.inf)
-    src = np.zeros((m, m, 2), dtype=np.int64)
-    for b, cols in enumerate(members):
-        sub = row_min[:, cols]
-        j = np.argmin(sub, axis=1)
-        w2[:, b] = sub[np.arange(m), j]
-        src[:, b, 1] = cols[j]
-        src[:, b, 0] = row_arg[np.arange(m), cols[j]]
-    np.fill_diagonal(w2, np.inf)
-    root2 = int(label[root])
-    par2 = _edmonds(w2, root2)
-    if par2 is None:
-        return None
-    out = par.copy()
-    for b in range(m):
-        if b == root2:
-            continue
-        u, v = src[par2[b], b]
-        out[v] = u
-    return out
-
-
 def _cycles(par, root: int) -> list[list[int]]:
     """The cycles of the functional graph ``v -> par[v]`` that avoid ``root``."""
     n = len(par)
@@ -248,3 +189,97 @@ def _cycles(par, root: int) -> list[list[int]]:
         for u in walk:
             state[u] = -1
     return cycles
+
+
+def _edmonds_contracting(w: np.ndarray, root: int) -> np.ndarray | None:
+    """Chu-Liu/Edmonds with cycles contracted as they are found (Tarjan's dense O(n^2) order).
+
+    Super-vertices live in a ``2n x 2n`` matrix ``cost[x, y]`` (cheapest edge
+    from super-vertex ``x`` into ``y``, with the entered cycle edge's cost
+    subtracted) and ``edge[x, y]`` (that edge, as ``u * n + v``).  A path is
+    grown backwards along cheapest entering edges until it reaches a finished
+    super-vertex (one that leads to the root) or closes a cycle, which is then
+    contracted in O(n) vectorised work; at most n - 1 contractions happen, so a
+    call is O(n^2) array work instead of the O(n^3) of contracting level by
+    level (which a switch's uniform weights drive to n levels).
+    """
+    n = w.shape[0]
+    size = 2 * n
+    cost = np.full((size, size), np.inf)
+    cost[:n, :n] = w
+    np.fill_diagonal(cost, np.inf)
+    cost[:, root] = np.inf
+    edge = np.full((size, size), -1, dtype=np.int64)
+    edge[:n, :n] = np.arange(n)[:, None] * n + np.arange(n)[None, :]
+    in_edge = np.full(size, -1, dtype=np.int64)
+    in_cost = np.zeros(size)
+    members: dict[int, list[int]] = {}
+    up = np.full(size, -1, dtype=np.int64)  # contraction forest: super-vertex -> the one it joined
+    done = np.zeros(size, dtype=bool)
+    done[root] = True
+    nxt = n
+    for start in range(n):
+        if done[start] or up[start] >= 0:
+            continue
+        path = [start]
+        on_path = {start}
+        while True:
+            y = path[-1]
+            col = cost[:, y]
+            x = int(np.argmin(col))
+            if not np.isfinite(col[x]):
+                return None
+            if col[root] <= col[x]:  # ties go to the root: shallow trees
+                x = root
+            in_edge[y], in_cost[y] = edge[x, y], col[x]
+            if done[x]:
+                done[path] = True
+                break
+            if x not in on_path:
+                path.append(x)
+                on_path.add(x)
+                continue
+            # A cycle path[i:], closed by x -> y: contract it into super-vertex c.
+            i = path.index(x)
+            cyc = np.asarray(path[i:], dtype=np.int64)
+            c = nxt
+            nxt += 1
+            members[c] = list(cyc)
+            up[cyc] = c
+            entering = cost[:, cyc] - in_cost[cyc][None, :]
+            j = np.argmin(entering, axis=1)
+            rows = np.arange(size)
+            cost[:, c] = entering[rows, j]
+            edge[:, c] = edge[rows, cyc[j]]
+            k = np.argmin(cost[cyc, :], axis=0)
+            cost[c, :] = cost[cyc[k], np.arange(size)]
+            edge[c, :] = edge[cyc[k], np.arange(size)]
+            cost[cyc, :] = np.inf
+            cost[:, cyc] = np.inf
+            cost[c, c] = np.inf
+            for v in path[i:]:
+                on_path.discard(v)
+            path = path[:i] + [c]
+            on_path.add(c)
+    # Expand: each super-vertex's entering edge overrides the cycle edge into the
+    # member that contains its head; the other members keep their own.
+    parent = np.full(n, root, dtype=np.int64)
+
+    def expand(sv: int, entering: int) -> None:
+        stack = [(sv, entering)]
+        while stack:
+            s, e = stack.pop()
+            if s < n:
+                if s != root:
+                    parent[s] = e // n
+                continue
+            m = e % n  # the head of e; climb to the member of s that holds it
+            while up[m] != s:
+                m = up[m]
+            for member in members[s]:
+                stack.append((member, e if member == m else int(in_edge[member])))
+
+    for sv in range(nxt):
+        if up[sv] < 0 and sv != root:  # the top-level super-vertices
+            expand(sv, int(in_edge[sv]))
+    return parent

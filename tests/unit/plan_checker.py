@@ -380,15 +380,15 @@ def independent_optimum(topo: dict, collective: str, root: int | None, channels:
 
 
 # --------------------------------------------------------------------------- machines
-def random_machine(seed: int) -> dict:
+def random_machine(seed: int, n: int | None = None) -> dict:
     """A seeded heterogeneous machine (a ``blink-topology/1`` dict), NVLink-connected.
 
-    4-12 GPUs; a random spanning tree plus extra links; each link 1-4 NVLinks of
+    4-12 GPUs (or ``n``); a random spanning tree plus extra links; each link 1-4 NVLinks of
     20, 25, 40 or 50 GB/s; every fifth machine adds a switch joining a subset
     of the GPUs; every other one has a PCIe channel with random groups.
     """
     rnd = random.Random(seed)
-    n = rnd.randint(4, 12)
+    n = rnd.randint(4, 12) if n is None else n
     gpus = list(range(n))
     order = gpus[:]
     rnd.shuffle(order)
