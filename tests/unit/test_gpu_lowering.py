@@ -23,7 +23,14 @@ import pytest
 
 from blink_horovod.errors import BlinkInternalError
 from blink_horovod.planner.plan import Plan, Tree
-from blink_horovod.runtime.dtypes import DTYPES, OPS, bf16_to_f32, f32_to_bf16, finish_average, numpy_dtype
+from blink_horovod.runtime.dtypes import (
+    DTYPES,
+    OPS,
+    bf16_to_f32,
+    f32_to_bf16,
+    finish_average,
+    numpy_dtype,
+)
 from blink_horovod.runtime.executor import Executor, Piece
 from blink_horovod.runtime.gpu.interpret import Launch, World, run_launches
 from blink_horovod.runtime.gpu.lowering import (
@@ -321,7 +328,7 @@ def _multi_tree_sequence(length: int = 3) -> list[Collective]:
 def test_without_order_edges_a_serialised_queue_deadlocks() -> None:
     """CUDA may put independent branches on one hardware queue: the order edges are what keeps that safe."""
     seq = _multi_tree_sequence(1)
-    no_edges = lambda lw: lower(  # noqa: E731
+    no_edges = lambda lw: lower(
         seq[0].pieces[lw.rank].program, lw.rank, *stage_runs(seq[0].pieces[lw.rank]), order_edges=False
     )
     deadlocks = 0
@@ -339,7 +346,7 @@ def test_without_order_edges_a_serialised_queue_deadlocks() -> None:
 
 def test_without_the_barrier_the_race_check_fires() -> None:
     seq = _multi_tree_sequence(3)
-    drop = lambda lw: dataclasses.replace(  # noqa: E731
+    drop = lambda lw: dataclasses.replace(
         lw, cmds=tuple(c for c in lw.cmds if not (c.kind == WAIT and c.word == DONE_WORD))
     )
     failures = 0
@@ -362,7 +369,7 @@ def test_without_the_flag_reset_stale_flags_three_epochs_old_are_read() -> None:
     cpu = cpu_results(seq)
     for seed in range(4):
         assert_same(gpu_results(seq, seed=seed), cpu)
-    drop = lambda lw: dataclasses.replace(lw, cmds=tuple(c for c in lw.cmds if c.kind != RESET))  # noqa: E731
+    drop = lambda lw: dataclasses.replace(lw, cmds=tuple(c for c in lw.cmds if c.kind != RESET))
     failures = 0
     for seed in range(6):
         try:

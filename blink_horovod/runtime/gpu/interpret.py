@@ -78,7 +78,7 @@ class World:
     stats: dict = field(default_factory=dict)
 
     @classmethod
-    def make(cls, nranks: int, capacity: int, nwords: int, dtype: np.dtype, epoch: int = 0) -> "World":
+    def make(cls, nranks: int, capacity: int, nwords: int, dtype: np.dtype, epoch: int = 0) -> World:
         """Fresh memory; DONE words say ``epoch`` finished (the executor's initial state)."""
         flags = [np.zeros(nwords, dtype=np.uint32) for _ in range(nranks)]
         for f in flags:

@@ -145,10 +145,10 @@ def element_source(dtype: str) -> str:
             f"BLINK_HD blink_t blink_op_sum(blink_t x, blink_t y) {{ return {fc('(' + x + ' + ' + y + ')')}; }}",
             f"BLINK_HD blink_t blink_op_product(blink_t x, blink_t y) {{ return {fc('(' + x + ' * ' + y + ')')}; }}",
             # NaN propagates as np.minimum/np.maximum: (a < b || a != a) ? a : b, returning the operand itself.
-            f"BLINK_HD blink_t blink_op_min(blink_t x, blink_t y) {{ {comp} a = {x}, b = {y}; "
-            "return (a < b || a != a) ? x : y; }",
-            f"BLINK_HD blink_t blink_op_max(blink_t x, blink_t y) {{ {comp} a = {x}, b = {y}; "
-            "return (a > b || a != a) ? x : y; }",
+            (f"BLINK_HD blink_t blink_op_min(blink_t x, blink_t y) {{ {comp} a = {x}, b = {y}; "
+             "return (a < b || a != a) ? x : y; }"),
+            (f"BLINK_HD blink_t blink_op_max(blink_t x, blink_t y) {{ {comp} a = {x}, b = {y}; "
+             "return (a > b || a != a) ? x : y; }"),
             f"BLINK_HD blink_t blink_finish_average(blink_t x, int n) {{ return {fc('(' + x + ' / (' + comp + ')n)')}; }}",
         ]
     else:
@@ -160,8 +160,8 @@ def element_source(dtype: str) -> str:
             "BLINK_HD blink_t blink_op_min(blink_t x, blink_t y) { return x < y ? x : y; }",
             "BLINK_HD blink_t blink_op_max(blink_t x, blink_t y) { return x > y ? x : y; }",
             # Horovod's ScaleBuffer: trunc(x * (1.0 / n)) in double; the cast truncates toward zero.
-            "BLINK_HD blink_t blink_finish_average(blink_t x, int n) "
-            "{ return (blink_t)(blink_i64)((double)x * (1.0 / (double)n)); }",
+            ("BLINK_HD blink_t blink_finish_average(blink_t x, int n) "
+             "{ return (blink_t)(blink_i64)((double)x * (1.0 / (double)n)); }"),
         ]
     return "\n".join(lines) + "\n"
 

@@ -64,10 +64,10 @@ from ...errors import BlinkInternalError
 from ...schedule.program import Program
 
 __all__ = [
-    "Cmd",
     "DONE_WORD",
-    "Lowered",
     "RESIDUES",
+    "Cmd",
+    "Lowered",
     "accept_mask",
     "epoch_value",
     "flag_word",
@@ -234,8 +234,7 @@ def lower(
             return
         edges[i].append(j)
         for k in range(nlanes):
-            if snap[j][k] > vc[x][k]:
-                vc[x][k] = snap[j][k]
+            vc[x][k] = max(vc[x][k], snap[j][k])
 
     for i, o in enumerate(ops):
         x = o.stream

@@ -1,0 +1,237 @@
+"""The CUDA calls of the GPU executor, in one place: memory, IPC, streams, events, graphs, stream memory ops.
+
+Everything goes through CuPy's thin runtime bindings (``cupy.cuda.runtime``:
+raw pointers and handles as ints) and, for the stream memory operations CuPy
+does not wrap, cuda-bindings' driver API (``cuStreamWriteValue32``,
+``cuStreamWaitValue32``).  Both were seen working on the H200 machine
+(../shared/reference/gpu-machine-facts.md): IPC between processes of one
+device, and ``cuStreamWriteValue32`` captured in a graph and replayed.
+
+Imported only by the executor; importing it needs CuPy, calling it a GPU.
+Failures raise :class:`~blink_horovod.errors.BlinkInternalError` naming the
+call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from ...errors import BlinkInternalError, ConfigError
+
+__all__ = ["Cuda", "available", "device_pointer", "stream_pointer"]
+
+
+def available() -> tuple[bool, str]:
+    """Whether CuPy, cuda-bindings and a CUDA device are usable here, and why not."""
+    try:
+        import cupy
+        from cuda.bindings import driver  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: not usable  # pragma: no cover
+        return False, f"cupy/cuda-bindings not importable: {exc}"
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001  # pragma: no cover
+        return False, f"no CUDA device: {exc}"
+    return (n > 0), f"{n} CUDA device(s)"
+
+
+def device_pointer(arr: Any) -> int:
+    """Device address of ``arr``: an int, a CuPy array, a torch tensor, or anything with
+    ``__cuda_array_interface__``."""
+    if isinstance(arr, (int, np.integer)) and not isinstance(arr, bool):
+        return int(arr)
+    cai = getattr(arr, "__cuda_array_interface__", None)
+    if cai is not None:
+        return int(cai["data"][0])
+    ptr = getattr(arr, "data_ptr", None)
+    if callable(ptr):
+        return int(ptr())
+    data = getattr(arr, "data", None)
+    if data is not None and hasattr(data, "ptr"):
+        return int(data.ptr)
+    raise ConfigError(f"tensor: expected a CUDA array (CuPy, torch, __cuda_array_interface__), got {type(arr).__name__}")
+
+
+def stream_pointer(stream: Any) -> int:
+    """Raw ``cudaStream_t`` of ``stream``: None (CuPy's current stream), an int, a CuPy
+    stream (``.ptr``) or a torch stream (``.cuda_stream``)."""
+    if stream is None:
+        import cupy
+
+        return int(cupy.cuda.get_current_stream().ptr)
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
+        return int(stream)
+    for attr in ("ptr", "cuda_stream"):
+        v = getattr(stream, attr, None)
+        if v is not None:
+            return int(v)
+    raise ConfigError(f"stream: expected a CUDA stream (CuPy, torch or int), got {type(stream).__name__}")
+
+
+class Cuda:
+    """CUDA on one device for this process (``device`` index)."""
+
+    NOT_READY = 600  # cudaErrorNotReady
+
+    def __init__(self, device: int) -> None:
+        try:
+            import cupy
+            from cuda.bindings import driver
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError(f"device: 'cuda' needs cupy and cuda-bindings: {exc}") from None
+        self.cupy = cupy
+        self.rt = cupy.cuda.runtime
+        self.drv = driver
+        n = self.rt.getDeviceCount()
+        if not 0 <= device < n:
+            raise ConfigError(f"device: CUDA device {device} does not exist ({n} visible)")
+        self.device = device
+        self.rt.setDevice(device)
+        self._check(driver.cuInit(0), "cuInit")
+        self._wait_and = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_AND
+        self._write_default = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        self.sms = self.rt.deviceGetAttribute(self.rt.cudaDevAttrMultiProcessorCount, device)
+
+    def _check(self, result: Any, what: str) -> Any:
+        err = result[0] if isinstance(result, tuple) else result
+        if int(err) != 0:
+            try:
+                _, name = self.drv.cuGetErrorName(err)
+                name = name.decode() if isinstance(name, bytes) else str(name)
+            except Exception:  # noqa: BLE001  # pragma: no cover
+                name = str(err)
+            raise BlinkInternalError(f"CUDA {what} failed: {name}")
+        return result[1:] if isinstance(result, tuple) and len(result) > 1 else None
+
+    # -- memory ------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> int:
+        try:
+            return int(self.rt.malloc(nbytes))
+        except Exception as exc:  # noqa: BLE001 - CuPy's error, re-raised with the size
+            raise BlinkInternalError(f"cudaMalloc of {nbytes} bytes on device {self.device} failed: {exc}") from None
+
+    def free(self, ptr: int) -> None:
+        self.rt.free(ptr)
+
+    def host_alloc(self, nbytes: int) -> tuple[int, np.ndarray]:
+        """Pinned, mapped host memory and a uint64 numpy view of it."""
+        ptr = int(self.rt.hostAlloc(nbytes, self.rt.hostAllocPortable | self.rt.hostAllocMapped))
+        view = np.ctypeslib.as_array((ctypes.c_uint64 * (nbytes // 8)).from_address(ptr))
+        return ptr, view
+
+    def free_host(self, ptr: int) -> None:
+        self.rt.freeHost(ptr)
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        self.rt.memset(ptr, value, nbytes)
+
+    def copy_to_device(self, dst: int, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(data)
+        self.rt.memcpy(dst, data.ctypes.data, data.nbytes, self.rt.memcpyHostToDevice)
+
+    def read_u32(self, src: int) -> int:
+        out = np.zeros(1, np.uint32)
+        self.rt.memcpy(out.ctypes.data, src, 4, self.rt.memcpyDeviceToHost)
+        return int(out[0])
+
+    def synchronize(self) -> None:
+        self.rt.deviceSynchronize()
+
+    # -- IPC ---------------------------------------------------------------------
+    def ipc_handle(self, ptr: int) -> bytes:
+        return bytes(self.rt.ipcGetMemHandle(ptr))
+
+    def ipc_open(self, handle: bytes) -> int:
+        try:
+            return int(self.rt.ipcOpenMemHandle(handle, self.rt.cudaIpcMemLazyEnablePeerAccess))
+        except Exception as exc:  # noqa: BLE001
+            raise BlinkInternalError(f"cudaIpcOpenMemHandle failed on device {self.device}: {exc}") from None
+
+    def ipc_close(self, ptr: int) -> None:
+        self.rt.ipcCloseMemHandle(ptr)
+
+    # -- streams and events -----------------------------------------------------
+    def stream(self) -> Any:
+        """A non-blocking CuPy stream (``.ptr`` for raw calls, ``with s:`` for kernels)."""
+        return self.cupy.cuda.Stream(non_blocking=True)
+
+    def event(self) -> int:
+        return int(self.rt.eventCreateWithFlags(self.rt.eventDisableTiming))
+
+    def timing_event(self) -> int:
+        return int(self.rt.eventCreateWithFlags(0))
+
+    def destroy_event(self, ev: int) -> None:
+        self.rt.eventDestroy(ev)
+
+    def record(self, ev: int, stream: int) -> None:
+        self.rt.eventRecord(ev, stream)
+
+    def join(self, stream: int, ev: int) -> None:
+        self.rt.streamWaitEvent(stream, ev, 0)
+
+    def done(self, ev: int) -> bool:
+        status = int(self.rt.eventQuery(ev))
+        if status == 0:
+            return True
+        if status == self.NOT_READY:
+            return False
+        raise BlinkInternalError(f"CUDA event query failed with error {status} (a kernel or copy faulted)")
+
+    def elapsed_ms(self, start: int, end: int) -> float:
+        return float(self.rt.eventElapsedTime(start, end))
+
+    # -- asynchronous work (captured into graphs) --------------------------------
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: int, kind: str = "d2d") -> None:
+        k = {"d2d": self.rt.memcpyDeviceToDevice, "h2d": self.rt.memcpyHostToDevice,
+             "d2h": self.rt.memcpyDeviceToHost}[kind]
+        self.rt.memcpyAsync(dst, src, nbytes, k, stream)
+
+    def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
+        self.rt.memsetAsync(ptr, value, nbytes, stream)
+
+    def write_value(self, stream: int, addr: int, value: int) -> None:
+        """``*addr = value`` after all prior work of the stream (with its memory fence)."""
+        d = self.drv
+        self._check(d.cuStreamWriteValue32(d.CUstream(stream), d.CUdeviceptr(addr), d.cuuint32_t(value),
+                                           self._write_default), "cuStreamWriteValue32")
+
+    def wait_value_and(self, stream: int, addr: int, mask: int) -> None:
+        """Later work of the stream waits until ``*addr & mask != 0``."""
+        d = self.drv
+        self._check(d.cuStreamWaitValue32(d.CUstream(stream), d.CUdeviceptr(addr), d.cuuint32_t(mask),
+                                          self._wait_and), "cuStreamWaitValue32")
+
+    # -- graphs ------------------------------------------------------------------
+    def begin_capture(self, stream: int) -> None:
+        self.rt.streamBeginCapture(stream, self.rt.streamCaptureModeRelaxed)
+
+    def end_capture(self, stream: int) -> int:
+        return int(self.rt.streamEndCapture(stream))
+
+    def instantiate(self, graph: int) -> int:
+        return int(self.rt.graphInstantiate(graph))
+
+    def destroy_graph(self, graph: int) -> None:
+        self.rt.graphDestroy(graph)
+
+    def destroy_exec(self, exe: int) -> None:
+        self.rt.graphExecDestroy(exe)
+
+    def upload(self, exe: int, stream: int) -> None:
+        self.rt.graphUpload(exe, stream)
+
+    def launch(self, exe: int, stream: int) -> None:
+        self.rt.graphLaunch(exe, stream)
+
+    # -- kernels -----------------------------------------------------------------
+    def module(self, source: str) -> Any:
+        """A compiled CuPy RawModule (NVRTC)."""
+        mod = self.cupy.RawModule(code=source, options=("-std=c++17",))
+        mod.compile()
+        return mod

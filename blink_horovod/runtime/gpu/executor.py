@@ -1,0 +1,451 @@
+"""The GPU executor: each collective is one CUDA graph launch per piece, host work O(1).
+
+Same contract as the CPU :class:`~blink_horovod.runtime.executor.Executor`
+(``collective(label, checked, extras, arr, dtype, op, build)`` with
+:class:`~blink_horovod.runtime.executor.Piece` objects), but ``arr`` is a
+CUDA tensor and the call returns once the work is *launched* on ``stream``
+(CuPy's current stream by default), as NCCL does.  Blink, section 4: the
+program's chunks move over per-link streams and are reduced on the receiving
+GPU; here the whole program of a (piece, dtype, op) is captured once per epoch
+residue as a CUDA graph (:mod:`.lowering`, :mod:`.graph`), so a collective
+costs the metadata check plus one ``cudaGraphLaunch`` per piece, whatever the
+number of chunks and trees (../shared/DESIGN.md, "No per-chunk host work on
+GPUs").
+
+Memory: one ``cudaMalloc`` per rank holds its flag words and its data
+buffer; its IPC handle travels to the peers in the control transport's
+metadata slots (:class:`~blink_horovod.runtime.transport.Transport`, here
+used only for metadata, aborts and liveness), and every peer maps it with
+``cudaIpcOpenMemHandle``, also when all ranks share one GPU.  Buffers grow by
+generations at a point where every rank's device is idle.
+
+Host-side waits (argument slot reuse, buffer growth, close) poll CUDA events
+with the collective's deadline and check the peers between polls: a dead or
+failed peer raises, a stuck device raises ``BlinkTimeoutError``.  A failing
+rank sets every flag word it can reach to all-ones, so that graphs blocked on
+them drain instead of hanging their processes.
+
+``BLINK_FAULT`` hooks are CPU-only (no per-op host code runs here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ...errors import BlinkInternalError, BlinkTimeoutError, ConfigError
+from .. import metadata
+from ..dtypes import check_op, numpy_dtype
+from ..executor import Piece
+from ..transport import STATE_CLOSED, W_STATE, Transport, WaitContext
+from .lowering import DONE_WORD, RESIDUES, Lowered, epoch_value, lower, plain_runs
+
+__all__ = ["GPU_MAX_PIECE_BYTES", "GpuExecutor"]
+
+log = logging.getLogger("blink_horovod.runtime")
+
+GPU_MAX_PIECE_BYTES = 1 << 30  # the communicator's piece size on GPUs (one graph launch per piece)
+_INITIAL_BYTES = 1 << 20
+_INITIAL_WORDS = 4096
+_PAGE = 4096
+
+
+class _Segment:
+    """Own allocation: ``base`` = flag words, then the data buffer at ``base + flag_bytes``."""
+
+    def __init__(self, base: int, flag_bytes: int, data_bytes: int) -> None:
+        self.base, self.flag_bytes, self.data_bytes = base, flag_bytes, data_bytes
+
+    @property
+    def words(self) -> int:
+        return self.flag_bytes // 4
+
+
+class GpuExecutor:
+    """Executes collectives of rank ``transport.rank`` on CUDA device ``device``.
+
+    Parameters
+    ----------
+    transport : Transport
+        Control plane of the server's ranks (metadata, aborts, liveness); its
+        data buffers are not used.
+    timeout, stall : float
+        ``BLINK_TIMEOUT_SECONDS`` and ``BLINK_STALL_CHECK_SECONDS``.
+    device : int, optional
+        CUDA device index; default ``rank % device_count`` (N ranks on one GPU
+        all use device 0).
+    max_graphs : int
+        Executable graphs kept (three per program, dtype and op).
+    """
+
+    fuses_average = True  # stage_out divides by n: the communicator must not finish averages itself
+
+    def __init__(self, transport: Transport, timeout: float, stall: float, device: int | None = None,
+                 fault: str | None = None, max_graphs: int = 768) -> None:
+        from .device import Cuda
+
+        self.t = transport
+        self.rank, self.nranks = transport.rank, transport.nranks
+        self.timeout, self.stall = timeout, stall
+        if fault:
+            log.warning("BLINK_FAULT=%s is ignored by the GPU executor (CPU runtime only)", fault)
+        import cupy
+
+        ndev = cupy.cuda.runtime.getDeviceCount()
+        self.cuda = Cuda(self.rank % ndev if device is None else device)
+        self.seq = 0
+        self.epoch = 0
+        self.failed: BaseException | None = None
+        self.max_graphs = max_graphs
+        self.chunk_ops = 0
+        self.last_run_seconds = 0.0  # device time is not known at return; the tuner gets no rate
+        self.last_setup_free = False
+        self.last_meta_seconds = 0.0
+        self.last_launch_seconds = 0.0
+        self.captures = 0
+        self._closed = False
+        self._seg: _Segment | None = None
+        self._peer_base: list[int] = [0] * self.nranks
+        self._flags: list[int] = [0] * self.nranks
+        self._data: list[int] = [0] * self.nranks
+        self._flag_bytes: list[int] = [0] * self.nranks
+        self._gen = 0
+        self._graphs: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+        self._lowered: dict[tuple, tuple[Any, Lowered]] = {}
+        self._modules: dict[str, Any] = {}
+        self._streams: list[Any] = []
+        self._events: list[int] = []
+        c = self.cuda
+        self._args_host, self._args_view = c.host_alloc(64)
+        self._args_dev = c.malloc(64)
+        self._probe_host, self._probe_view = c.host_alloc(8 * max(8, self.nranks))
+        self._slot_event = [c.event() for _ in range(RESIDUES)]
+        self._slot_used = [False] * RESIDUES
+        self._last_event: int | None = None
+        self._last_stream: int | None = None
+        self._aux = c.stream()
+
+    # -- the collective -------------------------------------------------------------
+    def collective(self, label: str, checked: Mapping[str, Any], extras: Mapping[str, Any], arr: Any, dtype: str,
+                   op: str, build: Callable[[list[dict[str, Any]]], Sequence[Piece]],
+                   stream: Any = None) -> list[dict[str, Any]]:
+        """Launch one collective on the CUDA tensor ``arr`` (in place) on ``stream``; see the module docstring.
+
+        ``op`` ``average`` is finished on the device (:attr:`fuses_average`).
+        Returns every rank's extras.
+        """
+        from .device import device_pointer, stream_pointer
+
+        if self.failed is not None:
+            raise BlinkInternalError(f"{label}: this communicator is unusable after an earlier failure: {self.failed}")
+        if self._closed:
+            raise BlinkInternalError(f"{label}: the GPU executor is closed")
+        ctx = WaitContext.start(label, self.timeout, self.stall)
+        try:
+            t0 = time.perf_counter()
+            self.seq += 1
+            payloads = self.t.exchange_meta(self.seq, metadata.encode(checked, extras), ctx)
+            all_extras = metadata.check_agreement(payloads, self.seq)
+            t1 = time.perf_counter()
+            pieces = list(build(all_extras))
+            if not pieces:
+                return all_extras
+            op = check_op(op) if op is not None else "sum"
+            itemsize = numpy_dtype(dtype).itemsize
+            known = self.captures
+            lows = [self._lower(p) for p in pieces]
+            need_bytes = max(p.program.count for p in pieces) * itemsize
+            need_words = max(lw.nwords for lw in lows)
+            grew = self._reserve(need_bytes, need_words, ctx)
+            sp = stream_pointer(stream)
+            base = device_pointer(arr)
+            mod = self._module(dtype)
+            for piece, lw in zip(pieces, lows):
+                self.epoch += 1
+                residue = self.epoch % RESIDUES
+                exe = self._graph(piece, lw, dtype, itemsize, op, residue, mod)
+                user = base + (piece.direct * itemsize if piece.direct is not None else 0)
+                self._launch(exe, residue, user, sp, ctx)
+                self.chunk_ops += sum(1 for c in lw.cmds if c.op >= 0)
+            self.last_meta_seconds = t1 - t0
+            self.last_launch_seconds = time.perf_counter() - t1
+            self.last_setup_free = not grew and self.captures == known
+            return all_extras
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait (with peer checks and a deadline) until this rank's launched work is done."""
+        if self._last_event is None:
+            return
+        ctx = WaitContext.start("synchronize", self.timeout if timeout is None else timeout, self.stall)
+        try:
+            self._wait_event(self._last_event, ctx, "launched collectives")
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
+    def fail(self, exc: BaseException) -> None:
+        """Mark this rank failed, tell the peers, and unblock graphs waiting on flags."""
+        if self.failed is None:
+            self.failed = exc
+            self.t.abort(exc)
+            self._unblock()
+
+    # -- pieces -> lowered commands -> graphs ---------------------------------------------
+    def _lower(self, piece: Piece) -> Lowered:
+        program = piece.program
+        if program.nranks != self.nranks:
+            raise BlinkInternalError(f"program for {program.nranks} ranks run on {self.nranks} ranks")
+        if piece.direct is not None:
+            si, so = plain_runs(program, piece.has_input, piece.wants_output)
+        else:
+            si, so = tuple(map(tuple, piece.stage_in)), tuple(map(tuple, piece.stage_out))
+        key = (id(program), si, so)
+        hit = self._lowered.get(key)
+        if hit is not None and hit[0] is program:
+            return hit[1]
+        lw = lower(program, self.rank, si, so)
+        if len(self._lowered) > 4096:
+            self._lowered.clear()
+        self._lowered[key] = (program, lw)
+        return lw
+
+    def _module(self, dtype: str) -> Any:
+        mod = self._modules.get(dtype)
+        if mod is None:
+            from .kernels import device_source
+
+            mod = self._modules[dtype] = self.cuda.module(device_source(dtype))
+        return mod
+
+    def _graph(self, piece: Piece, lw: Lowered, dtype: str, itemsize: int, op: str, residue: int, mod: Any) -> int:
+        key = (id(lw), dtype, op, residue, self._gen)
+        hit = self._graphs.get(key)
+        if hit is not None and hit[0] is lw:
+            self._graphs.move_to_end(key)
+            return hit[1]
+        from .graph import Memory, capture
+
+        while len(self._streams) < lw.nstreams:
+            self._streams.append(self.cuda.stream())
+        while len(self._events) < lw.nevents:
+            self._events.append(self.cuda.event())
+        assert self._seg is not None
+        mem = Memory(self._flags, self._data, self._seg.words, self._args_host + 8 * residue,
+                     self._args_dev + 8 * residue)
+        self.cuda.rt.setDevice(self.cuda.device)
+        exe = capture(self.cuda, lw, mem, residue, dtype, itemsize, op, mod, self._streams, self._events)
+        self.captures += 1
+        self._graphs[key] = (lw, exe)
+        if len(self._graphs) > self.max_graphs:
+            # Destroying an exec that may still run is not allowed: drain first (rare).
+            self._drain(WaitContext.start("graph cache eviction", self.timeout, self.stall))
+            while len(self._graphs) > self.max_graphs // 2:
+                _, (_, old) = self._graphs.popitem(last=False)
+                self.cuda.destroy_exec(old)
+        return exe
+
+    def _launch(self, exe: int, residue: int, user: int, stream: int, ctx: WaitContext) -> None:
+        """Host work of one piece: O(1) calls, whatever the program."""
+        ev = self._slot_event[residue]
+        if self._slot_used[residue] and not self.cuda.done(ev):
+            self._wait_event(ev, ctx, "the collective launched three pieces ago")
+        self._args_view[residue] = user
+        if self._last_stream is not None and stream != self._last_stream:
+            # Graphs of one rank must run in launch order (the barrier's three residues rely on it).
+            self.cuda.join(stream, self._last_event)
+        self.cuda.launch(exe, stream)
+        self.cuda.record(ev, stream)
+        self._slot_used[residue] = True
+        self._last_event, self._last_stream = ev, stream
+
+    # -- memory ---------------------------------------------------------------------------
+    def _reserve(self, need_bytes: int, need_words: int, ctx: WaitContext) -> bool:
+        """Collective: every rank's segment holds ``need_bytes`` of data and ``need_words`` flag words."""
+        seg = self._seg
+        if seg is not None and need_bytes <= seg.data_bytes and need_words <= seg.words:
+            return False
+        data_bytes = seg.data_bytes if seg is not None else _INITIAL_BYTES
+        while data_bytes < need_bytes:
+            data_bytes *= 2
+        words = seg.words if seg is not None else _INITIAL_WORDS
+        while words < need_words:
+            words *= 2
+        flag_bytes = -(-4 * words // _PAGE) * _PAGE
+        c = self.cuda
+        self._drain(ctx)  # own device idle: no graph of ours reads any old buffer any more
+        base = c.malloc(flag_bytes + data_bytes)
+        try:
+            c.memset(base, 0, flag_bytes)
+            c.copy_to_device(base + 4 * DONE_WORD, np.array([epoch_value(self.epoch)], np.uint32))
+            c.synchronize()
+            handle = c.ipc_handle(base)
+            self.seq += 1
+            mine = json.dumps({"h": handle.hex(), "fb": flag_bytes, "db": data_bytes, "g": self._gen + 1})
+            payloads = self.t.exchange_meta(self.seq, mine.encode(), ctx)
+        except BaseException:
+            c.free(base)
+            raise
+        # Every peer posted its new handle after draining its device: the old buffers are unused.
+        self._release_memory()
+        self._gen += 1
+        self._seg = _Segment(base, flag_bytes, data_bytes)
+        for q, raw in enumerate(payloads):
+            info = json.loads(raw.decode())
+            if info["fb"] != flag_bytes or info["db"] != data_bytes:
+                raise BlinkInternalError(
+                    f"{ctx.label}: rank {q} grew its GPU buffer to {info['db']} bytes/{info['fb']} flag bytes, "
+                    f"rank {self.rank} to {data_bytes}/{flag_bytes}"
+                )
+            ptr = base if q == self.rank else c.ipc_open(bytes.fromhex(info["h"]))
+            self._peer_base[q] = ptr
+            self._flags[q] = ptr
+            self._data[q] = ptr + flag_bytes
+            self._flag_bytes[q] = flag_bytes
+        return True
+
+    def _release_memory(self) -> None:
+        for _, exe in self._graphs.values():
+            self.cuda.destroy_exec(exe)
+        self._graphs.clear()
+        for q, ptr in enumerate(self._peer_base):
+            if ptr and q != self.rank:
+                self.cuda.ipc_close(ptr)
+            self._peer_base[q] = 0
+        if self._seg is not None:
+            self.cuda.free(self._seg.base)
+            self._seg = None
+
+    # -- waiting ----------------------------------------------------------------------------
+    def _drain(self, ctx: WaitContext) -> None:
+        if self._last_event is not None:
+            self._wait_event(self._last_event, ctx, "earlier collectives")
+
+    def _wait_event(self, ev: int, ctx: WaitContext, what: str) -> None:
+        """Poll ``ev`` until done; between polls check the peers and the deadline."""
+        c = self.cuda
+        if c.done(ev):
+            return
+        started = time.monotonic()
+        next_check = started + 0.05
+        next_warn = started + ctx.stall
+        delay = 2e-5
+        while not c.done(ev):
+            now = time.monotonic()
+            if now >= next_check:
+                self.t.check_peers(ctx)
+                for q in range(self.nranks):
+                    if q != self.rank and not self.t.peer_alive(q):
+                        raise BlinkInternalError(
+                            f"{ctx.label}: rank {q} (pid {self.t.peer_pid(q)}) died; rank {self.rank}'s GPU waits "
+                            f"for it ({what})"
+                        )
+                next_check = now + 0.05
+            if now >= ctx.deadline:
+                raise BlinkTimeoutError(
+                    f"{ctx.label}: rank {self.rank} timed out after {ctx.timeout:g} s waiting for its GPU to finish "
+                    f"{what} (a peer's device work never arrived; BLINK_TIMEOUT_SECONDS={ctx.timeout:g})"
+                )
+            if now >= next_warn:
+                log.warning("%s: rank %d's GPU has waited %.0f s for %s", ctx.label, self.rank, now - started, what)
+                next_warn = now + ctx.stall
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def _peer_done_words(self) -> list[int]:
+        """Every rank's DONE word, read through the mappings on a private stream (never blocks on
+        the user's streams)."""
+        c, aux = self.cuda, self._aux.ptr
+        for q in range(self.nranks):
+            if self._flags[q]:
+                c.copy_async(self._probe_host + 8 * q, self._flags[q] + 4 * DONE_WORD, 4, aux, kind="d2h")
+        self._aux.synchronize()
+        return [int(self._probe_view[q] & 0xFFFFFFFF) for q in range(self.nranks)]
+
+    def _unblock(self) -> None:
+        """Best effort after a failure: all-ones in every flag word this rank maps (own and peers'),
+        so that graphs waiting on them run to the end instead of hanging."""
+        try:
+            for q in range(self.nranks):
+                if self._flags[q]:
+                    self.cuda.memset_async(self._flags[q], 0xFF, self._flag_bytes[q], self._aux.ptr)
+        except Exception as exc:  # noqa: BLE001 - the failure being reported matters more
+            log.debug("unblocking flags failed: %s", exc)
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for this rank's work and for the peers' last reads of its buffer, then free everything."""
+        if self._closed:
+            return
+        self._closed = True
+        idle = True
+        try:
+            ctx = WaitContext.start("close", min(self.timeout, 60.0), self.stall)
+            try:
+                if self.failed is not None:
+                    self._unblock()
+                    idle = self._quiet_drain(5.0)
+                else:
+                    self._drain(ctx)
+                    if self._seg is not None:
+                        self._await_peers_done(ctx)
+            except BaseException as exc:  # noqa: BLE001
+                log.warning("rank %d: GPU work did not drain at close (%s)", self.rank, exc)
+                self._unblock()
+                idle = self._quiet_drain(5.0)
+            if idle:
+                self._release_memory()
+                for ev in self._events + self._slot_event:
+                    self.cuda.destroy_event(ev)
+                self.cuda.free(self._args_dev)
+                self.cuda.free_host(self._args_host)
+                self.cuda.free_host(self._probe_host)
+            else:
+                log.warning("rank %d: device still busy; CUDA memory is left to process exit", self.rank)
+        finally:
+            self._events, self._streams = [], []
+            self.t.close()
+
+    def _quiet_drain(self, seconds: float) -> bool:
+        """Whether this rank's launched work finishes within ``seconds`` (no peer checks: after a failure)."""
+        if self._last_event is None:
+            return True
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                if self.cuda.done(self._last_event):
+                    return True
+            except Exception:  # noqa: BLE001 - a faulted context: nothing more to wait for
+                return False
+            time.sleep(1e-3)
+        return False
+
+    def _await_peers_done(self, ctx: WaitContext) -> None:
+        """Peers read this rank's buffer until their DONE of the last epoch: wait for it (or their exit)."""
+        want = epoch_value(self.epoch)
+        while True:
+            words = self._peer_done_words()
+            pending = [q for q in range(self.nranks) if q != self.rank and words[q] != want
+                       and self.t.load(q, W_STATE) != STATE_CLOSED and self.t.peer_alive(q)]
+            if not pending:
+                return
+            if time.monotonic() >= ctx.deadline:
+                raise BlinkTimeoutError(f"close: ranks {pending} did not finish epoch {self.epoch}")
+            time.sleep(1e-3)
+
+    @property
+    def device(self) -> int:
+        return self.cuda.device
+
+
+def check_device_arg(device: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device: expected 'cpu' or 'cuda', got {device!r}")
