@@ -18,7 +18,10 @@ attribute test per chunk).
 or reduce) since the process started, i.e. after K completed ones; ``kill``,
 ``raise`` and ``stall`` act instead of it, ``corrupt`` after it.  ``rank=R``
 (a local rank) limits it to one rank; without it every rank faults.  It fires
-once per process.
+once per process; ``corrupt:...:count=N`` corrupts the N consecutive chunk
+operations from there (``blink perf`` checks only one step after its timed
+ones, as nccl-tests does, so a test that cannot know which chunk operation
+falls in that step corrupts them all).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class FaultSpec:
     after: int
     rank: int | None = None
     seconds: float = 3600.0
+    count: int = 1  # corrupt: this many consecutive chunk operations
 
 
 def parse_fault(text: str) -> FaultSpec:
@@ -58,8 +62,8 @@ def parse_fault(text: str) -> FaultSpec:
     fields: dict[str, str] = {}
     for p in parts[1:]:
         key, sep, value = p.partition("=")
-        if not sep or key not in ("after", "rank", "seconds") or key in fields:
-            raise ConfigError(f"{BLINK_FAULT}: bad field {p!r} in {text!r} (expected after=K, rank=R, seconds=S)")
+        if not sep or key not in ("after", "rank", "seconds", "count") or key in fields:
+            raise ConfigError(f"{BLINK_FAULT}: bad field {p!r} in {text!r} (expected after=K, rank=R, seconds=S, count=N)")
         fields[key] = value
     if "after" not in fields:
         raise ConfigError(f"{BLINK_FAULT}: missing after=K in {text!r}")
@@ -81,7 +85,10 @@ def parse_fault(text: str) -> FaultSpec:
             raise ConfigError(f"{BLINK_FAULT}: seconds must be a number, got {fields['seconds']!r}") from None
         if not math.isfinite(seconds) or seconds < 0:
             raise ConfigError(f"{BLINK_FAULT}: seconds must be a finite number >= 0, got {fields['seconds']!r}")
-    return FaultSpec(action, _int("after"), _int("rank") if "rank" in fields else None, seconds)
+    count = _int("count") if "count" in fields else 1
+    if count < 1:
+        raise ConfigError(f"{BLINK_FAULT}: count must be a positive integer, got {fields['count']!r}")
+    return FaultSpec(action, _int("after"), _int("rank") if "rank" in fields else None, seconds, count)
 
 
 class FaultInjector:
@@ -125,8 +132,9 @@ class FaultInjector:
     def after_op(self, region: np.ndarray) -> None:
         """Called after each chunk operation with the region it wrote."""
         self.done += 1
-        if self.active and not self.fired and self.spec.action == "corrupt" and self.done == self.spec.after + 1:
-            self.fired = True
+        spec = self.spec
+        if self.active and not self.fired and spec.action == "corrupt" and spec.after < self.done <= spec.after + spec.count:
+            self.fired = self.done == spec.after + spec.count
             if region.size:
                 # Flip a high-order bit of the first element (an exponent bit of a float):
                 # a flipped lowest mantissa bit can be rounded away by the next reduction
