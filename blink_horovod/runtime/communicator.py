@@ -43,7 +43,7 @@ from ..topology.model import Topology
 from .dtypes import check_op, dtype_name, finish_average, numpy_dtype
 from .executor import Executor, Piece, Run
 from .rendezvous import Rendezvous
-from .transport import Transport, WaitContext
+from .transport import EAGER_BYTES, Transport, WaitContext
 from .tuning import ChunkChooser, bucket_of
 
 __all__ = ["Communicator", "MAX_PIECE_BYTES", "segment_bounds"]
@@ -68,6 +68,25 @@ def _default_planner(cfg: Config) -> Planner:
         return cached_plan(topology, collective, root, None, cfg.plan_cache)
 
     return plan
+
+
+def fully_connected(topology: Topology) -> bool:
+    """Every GPU pair has a direct NVLink link or shares a switch (one-hop trees exist)."""
+    caps = topology.capacities("nvlink")
+    linked = {frozenset(k) for k in caps}
+    switch_of: dict[int, set] = {}
+    for link in topology.links:
+        if link.kind != "nvlink":
+            continue
+        for gpu, other in ((link.src, link.dst), (link.dst, link.src)):
+            if isinstance(other, str):
+                switch_of.setdefault(gpu, set()).add(other)
+    gpus = list(topology.gpus)
+    for i, a in enumerate(gpus):
+        for b in gpus[i + 1 :]:
+            if frozenset((a, b)) not in linked and not (switch_of.get(a, set()) & switch_of.get(b, set())):
+                return False
+    return True
 
 
 def resolve_topology(local_size: int, config: Config, device: str = "cpu") -> Topology:
@@ -134,6 +153,9 @@ class Communicator:
         self.rendezvous = rendezvous
         self._planner = planner or _default_planner(self.config)
         self._topology_hash = self.topology.content_hash()[:16]
+        # Small messages take one round (Executor.eager_collective) where every
+        # rank has a direct link to every other: one-hop trees.
+        self.eager_bytes = EAGER_BYTES if fully_connected(self.topology) else 0
         self._plans: dict[tuple[str, int | None], tuple[Plan, str]] = {}
         self._programs: "OrderedDict[tuple, Any]" = OrderedDict()
         self._chunks = ChunkChooser(self.config.chunk_bytes)
@@ -261,6 +283,15 @@ class Communicator:
         if ex.last_setup_free and ex.last_run_seconds > 0:  # type: ignore[union-attr]
             self._last_rate[bucket] = nbytes / ex.last_run_seconds  # type: ignore[union-attr]
 
+    def _eager(self, collective: str, name: str | None, arr: np.ndarray, flat: np.ndarray, dtype: str,
+               op: str | None, root: int | None) -> None:
+        n = self.local_size
+        segments = [segment_bounds(flat.size, n, i) for i in range(n)]
+        self._executor.eager_collective(  # type: ignore[union-attr]
+            self._label(collective, name), self._checked(collective, name, arr, dtype, op, root), {},
+            flat, dtype, op or "sum", collective, root or 0, segments,
+        )
+
     # -- the collectives -------------------------------------------------------------
     def allreduce(self, arr: np.ndarray, op: str = "sum", name: str | None = None) -> np.ndarray:
         """Reduce ``arr`` over the server's ranks, in place; returns ``arr``."""
@@ -270,6 +301,11 @@ class Communicator:
             return arr
         with self._lock:
             n = self.local_size
+            if flat.nbytes <= self.eager_bytes:
+                self._eager("allreduce", name, arr, flat, dtype, op, None)
+                if op == "average":
+                    finish_average(flat, n, dtype)
+                return arr
             piece = max(1, MAX_PIECE_BYTES // flat.dtype.itemsize)
 
             def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
@@ -294,6 +330,9 @@ class Communicator:
             return arr
         with self._lock:
             me = self.local_rank
+            if flat.nbytes <= self.eager_bytes:
+                self._eager("broadcast", name, arr, flat, dtype, None, root)
+                return arr
             piece = max(1, MAX_PIECE_BYTES // flat.dtype.itemsize)
 
             def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
@@ -340,6 +379,11 @@ class Communicator:
         if self._executor is None or flat.size == 0:
             return start, end
         with self._lock:
+            if flat.nbytes <= self.eager_bytes:
+                self._eager("reduce_to_roots", name, arr, flat, dtype, op, None)
+                if op == "average":
+                    finish_average(flat[start:end], n, dtype)
+                return start, end
 
             def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
                 out = []
@@ -361,6 +405,9 @@ class Communicator:
         if self._executor is None or flat.size == 0:
             return arr
         with self._lock:
+            if flat.nbytes <= self.eager_bytes:
+                self._eager("broadcast_from_roots", name, arr, flat, dtype, None, None)
+                return arr
 
             def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
                 out = []

@@ -26,6 +26,7 @@ from .transport import (
     W_PID,
     W_READY_GEN,
     W_STATE,
+    EAGER_BYTES,
     META_BYTES,
     REASON_BYTES,
     Transport,
@@ -61,7 +62,8 @@ def _segment(nranks: int, data_bytes: int, nflags: int, gen: int) -> tuple[np.nd
     words[W_NFLAGS] = nflags
     words[W_DATA_PAGES] = data_bytes // _PAGE
     data = np.zeros(data_bytes, dtype=np.uint8)
-    regions = {"meta0": bytearray(META_BYTES), "meta1": bytearray(META_BYTES), "reason": bytearray(REASON_BYTES)}
+    regions = {"meta0": bytearray(META_BYTES), "meta1": bytearray(META_BYTES), "reason": bytearray(REASON_BYTES),
+               "eager0": np.zeros(EAGER_BYTES, np.uint8), "eager1": np.zeros(EAGER_BYTES, np.uint8)}
     return words, data, regions
 
 
@@ -127,6 +129,9 @@ class LoopbackTransport(Transport):
 
     def data(self, rank: int) -> np.ndarray:
         return self._segs[rank][1]
+
+    def eager(self, rank: int, slot: int) -> np.ndarray:
+        return self._segs[rank][2][f"eager{slot}"]
 
     def data_capacity(self) -> int:
         return int(self._segs[self.rank][1].size)

@@ -2,7 +2,7 @@
 
 A rank's segment (a file of ``/dev/shm``, what ``shm_open`` creates) holds::
 
-    control words | program flags | metadata slot 0 | slot 1 | abort reason | data buffer
+    control words | program flags | metadata slot 0 | slot 1 | abort reason | eager 0 | eager 1 | data buffer
     (uint32: state, pid, metadata sequence, done epoch, generation, ...)  (page aligned)
 
 The owner maps it read-write, every peer read-only, so a rank can only ever
@@ -47,6 +47,7 @@ from .transport import (
     MAGIC,
     META_BYTES,
     REASON_BYTES,
+    EAGER_BYTES,
     STATE_OPEN,
     W_DATA_PAGES,
     W_GEN,
@@ -55,6 +56,7 @@ from .transport import (
     W_NFLAGS,
     W_PID,
     W_READY_GEN,
+    W_SLEEP,
     W_STATE,
     Transport,
     WaitContext,
@@ -64,6 +66,19 @@ from .transport import (
 __all__ = ["ShmTransport", "shm_dir", "segment_name", "linked_segments", "sweep_stale_segments"]
 
 _PAGE = 4096
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier: an uncontended lock is a locked instruction on x86-64.
+
+    Between a poster's store of a flag and its load of the peers' sleep words
+    (and a sleeper's store of its sleep word and its load of the flag), the
+    CPU may otherwise let the load pass the store, and both sides would miss
+    each other (Dekker's problem): the sleeper would sleep through the post.
+    """
+    _fence_lock.acquire()
+    _fence_lock.release()
 
 
 def shm_dir() -> str:
@@ -184,8 +199,11 @@ def _layout(nranks: int, nflags: int, data_bytes: int) -> dict[str, int]:
     meta0 = -(-(nwords * 4) // 64) * 64
     meta1 = meta0 + META_BYTES
     reason = meta1 + META_BYTES
-    data = -(-(reason + REASON_BYTES) // _PAGE) * _PAGE
-    return {"nwords": nwords, "meta0": meta0, "meta1": meta1, "reason": reason, "data": data, "size": data + data_bytes}
+    eager0 = -(-(reason + REASON_BYTES) // _PAGE) * _PAGE
+    eager1 = eager0 + EAGER_BYTES
+    data = eager1 + EAGER_BYTES
+    return {"nwords": nwords, "meta0": meta0, "meta1": meta1, "reason": reason, "eager0": eager0,
+            "eager1": eager1, "data": data, "size": data + data_bytes}
 
 
 class _Segment:
@@ -205,6 +223,8 @@ class _Segment:
             raise BlinkInternalError(f"shared memory segment {path}: {size} bytes, header says {self.layout['size']}")
         self.words = np.frombuffer(self.mm, dtype=np.uint32, count=self.layout["nwords"])
         self.data = np.frombuffer(self.mm, dtype=np.uint8, count=pages * _PAGE, offset=self.layout["data"])
+        self.eager = [np.frombuffer(self.mm, dtype=np.uint8, count=EAGER_BYTES, offset=self.layout[f"eager{i}"])
+                      for i in (0, 1)]
         self.base = self.words.ctypes.data
         self.nflags = nflags
 
@@ -212,6 +232,7 @@ class _Segment:
         # Views export the buffer; drop them before closing the mapping.
         self.words = None  # type: ignore[assignment]
         self.data = None  # type: ignore[assignment]
+        self.eager = []
         try:
             self.mm.close()
         except BufferError:  # pragma: no cover - a view escaped; the GC frees it
@@ -250,6 +271,7 @@ class ShmTransport(Transport):
             raise BlinkInternalError(f"job id must be alphanumeric, got {job!r}")
         self.job = job
         self.dir = directory or shm_dir()
+        self._peers = [r for r in range(nranks) if r != rank]
         self._pids = list(pids) if pids is not None else None
         self._gen = 0
         self._segs: list[_Segment] = []
@@ -393,12 +415,29 @@ class ShmTransport(Transport):
         return int(self._segs[rank].words[word])
 
     def store(self, word: int, value: int) -> None:
-        own = self._segs[self.rank]
+        segs = self._segs
+        own = segs[self.rank]
         own.words[word] = value
-        futex_wake(own.base + 4 * word)
+        # Wake only a peer that says it sleeps on this very word: a FUTEX_WAKE
+        # costs a system call, and often a preemption, even when nobody sleeps.
+        token = (self.rank + 1) << 24 | word
+        _fence()
+        for r in self._peers:
+            if segs[r].words[W_SLEEP] == token:
+                futex_wake(own.base + 4 * word)
+                return
 
     def block(self, rank: int, word: int, seen: int, timeout: float) -> None:
-        futex_wait(self._segs[rank].base + 4 * word, seen, timeout)
+        own = self._segs[self.rank]
+        own.words[W_SLEEP] = (rank + 1) << 24 | word
+        _fence()
+        seg = self._segs[rank]
+        try:
+            if int(seg.words[word]) == seen:
+                # The kernel re-reads the word under its futex lock: no post is lost.
+                futex_wait(seg.base + 4 * word, seen, timeout)
+        finally:
+            own.words[W_SLEEP] = 0
 
     def write_region(self, region: str, data: bytes) -> None:
         own = self._segs[self.rank]
@@ -418,6 +457,9 @@ class ShmTransport(Transport):
 
     def data(self, rank: int) -> np.ndarray:
         return self._segs[rank].data
+
+    def eager(self, rank: int, slot: int) -> np.ndarray:
+        return self._segs[rank].eager[slot]
 
     def data_capacity(self) -> int:
         return int(self._segs[self.rank].data.size)

@@ -52,11 +52,13 @@ __all__ = [
     "W_NFLAGS",
     "W_DATA_PAGES",
     "W_MAPPED",
+    "W_SLEEP",
     "STATE_OPEN",
     "STATE_CLOSED",
     "STATE_ABORTED",
     "META_BYTES",
     "REASON_BYTES",
+    "EAGER_BYTES",
 ]
 
 log = logging.getLogger("blink_horovod.runtime")
@@ -74,6 +76,7 @@ W_ABORT_KIND = 9  # 0: none; else index into _ERROR_KINDS
 W_ABORT_LEN = 10
 W_NFLAGS = 11  # flag words this segment holds
 W_DATA_PAGES = 12  # data capacity in 4 KiB pages
+W_SLEEP = 13  # (rank + 1) << 24 | word this rank sleeps on, 0 when awake (wake-ups only when needed)
 W_MAPPED = 16  # W_MAPPED + r: generation of rank r's segment this rank has mapped
 CONTROL_WORDS = 16  # + nranks
 
@@ -83,14 +86,19 @@ STATE_ABORTED = 3
 
 META_BYTES = 65536  # per slot: collective metadata, or a small allgather_object payload
 REASON_BYTES = 2048
+EAGER_BYTES = 64 << 10  # per slot: small messages travel with their metadata (executor.eager_collective)
 
 MAGIC = 0xB1E4C0DE
 _ERROR_KINDS: tuple[type[BlinkError], ...] = (BlinkError, BlinkInternalError, MismatchError, BlinkTimeoutError)
 
 # Waiting: spin this many loads first (a peer on another core is often just
-# about to post), then sleep on the word in slices of _SLICE seconds, after
-# each of which the peers are checked for death, abort or close.
+# about to post), then yield the CPU up to _YIELDS times (ranks may outnumber
+# cores: a runnable peer then gets to post without a sleep/wake-up round trip,
+# which costs far more, in a VM above all), then sleep on the word in slices
+# of _SLICE seconds, after each of which the peers are checked for death,
+# abort or close.
 _SPIN = 64
+_YIELDS = int(os.environ.get("BLINK_TEST_YIELDS", "32"))
 _SLICE = 0.05
 
 
@@ -182,6 +190,10 @@ class Transport(ABC):
     @abstractmethod
     def data(self, rank: int) -> np.ndarray:
         """Rank's data buffer as uint8 (own: writable; peers: read them only)."""
+
+    @abstractmethod
+    def eager(self, rank: int, slot: int) -> np.ndarray:
+        """Rank's eager slot 0 or 1 (``EAGER_BYTES``, uint8): a small message's data."""
 
     @abstractmethod
     def data_capacity(self) -> int:
@@ -290,6 +302,11 @@ class Transport(ABC):
         for _ in range(_SPIN):
             if not pending:
                 return
+            pending = [p for p in pending if self.load(p, word) < value]
+        for _ in range(_YIELDS):
+            if not pending:
+                return
+            os.sched_yield()
             pending = [p for p in pending if self.load(p, word) < value]
         if not pending:
             return

@@ -120,6 +120,8 @@ def main() -> int:
     comm = None
     try:
         comm = Communicator(rank, n, None, rdv, cfg, planner=planner)
+        if os.environ.get("BLINK_TEST_EAGER") == "0":
+            comm.eager_bytes = 0
         result = scenario(name, rank, n, comm, args)
         print(json.dumps(result), flush=True)
         return 0

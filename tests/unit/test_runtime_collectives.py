@@ -206,3 +206,56 @@ def test_miad_tunes_the_chunk_the_same_on_every_rank() -> None:
     per_rank = run_loopback(4, body)
     assert all(s == per_rank[0] for s in per_rank)  # every rank took the same decisions
     assert ("allreduce", 1 << 20) in per_rank[0][-1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eager_path_every_op_and_kind(dtype: str) -> None:
+    """Small messages on a fully connected server take one round; same results."""
+    n, count = 4, 301
+
+    def body(r, comm):
+        assert comm.eager_bytes > 0
+        outs = {}
+        for op in OPS:
+            x = values(r, count, dtype, op)
+            comm.allreduce(x, op)
+            outs[op] = x.astype(np.float64)
+        b = values(r, count, dtype, "sum", seed=3)
+        comm.broadcast(b, 2)
+        outs["bcast"] = b.astype(np.float64)
+        h = values(r, count, dtype, "sum", seed=4)
+        start, end = comm.reduce_to_roots(h, "sum")
+        outs["seg"] = (start, end, h[start:end].astype(np.float64))
+        comm.broadcast_from_roots(h)
+        outs["stages"] = h.astype(np.float64)
+        return outs
+
+    for outs in run_loopback(n, body, eager=True):
+        for op in OPS:
+            np.testing.assert_array_equal(outs[op], expected(n, count, dtype, op))
+        np.testing.assert_array_equal(outs["bcast"], values(2, count, dtype, "sum", seed=3).astype(np.float64))
+        start, end, seg = outs["seg"]
+        np.testing.assert_array_equal(seg, expected(n, count, dtype, "sum", seed=4)[start:end])
+        np.testing.assert_array_equal(outs["stages"], expected(n, count, dtype, "sum", seed=4))
+
+
+def test_eager_results_are_bitwise_identical_on_every_rank() -> None:
+    rng = np.random.default_rng(5)
+    data = [rng.standard_normal(1000).astype(np.float32) for _ in range(5)]
+
+    def body(r, comm):
+        x = data[r].copy()
+        comm.allreduce(x)
+        return x
+
+    outs = run_loopback(5, body, eager=True)
+    for x in outs[1:]:
+        assert x.tobytes() == outs[0].tobytes()
+
+
+def test_eager_only_on_fully_connected_servers() -> None:
+    from blink_horovod.runtime.communicator import fully_connected
+    from blink_horovod.topology.machines import cpu, resolve
+
+    assert fully_connected(cpu(4)) and fully_connected(resolve("dgx2")) and fully_connected(resolve("dgx1v:0,1,2,3"))
+    assert not fully_connected(resolve("dgx1v:0,1,4,5")) and not fully_connected(resolve("dgx1v"))

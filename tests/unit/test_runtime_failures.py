@@ -215,3 +215,19 @@ def test_a_planner_failure_on_rank_0_fails_every_rank_fast() -> None:
     assert isinstance(errors[0], PlanError)
     for e in errors[1:]:
         assert isinstance(e, BlinkInternalError) and "rank 0 failed: plan: no tree spans" in str(e), e
+
+
+def test_eager_path_mismatch_and_missing_rank() -> None:
+    def body(r, comm):
+        comm.allreduce(np.ones(64 + (r == 2), np.float32), name="small")
+
+    for e in rank_errors(3, body, env=FAST, eager=True):
+        assert isinstance(e, MismatchError) and "rank 2 sent shape [65], rank 0 sent [64]" in str(e), e
+
+    def body2(r, comm):
+        if r != 1:
+            comm.allreduce(np.ones(64, np.float32))
+
+    errors = rank_errors(3, body2, env=FAST, eager=True)
+    assert errors[1] is None
+    assert all(isinstance(e, (BlinkTimeoutError, BlinkInternalError)) and "rank 1" in str(e) for e in (errors[0], errors[2]))

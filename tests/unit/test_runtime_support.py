@@ -63,8 +63,14 @@ def run_loopback(
     planner=None,
     topology: Topology | None = None,
     join_timeout: float = 30.0,
+    eager: bool = False,
 ) -> list[Any]:
-    """Run ``body(rank, comm)`` on ``n`` loopback ranks (threads); re-raise the first failure."""
+    """Run ``body(rank, comm)`` on ``n`` loopback ranks (threads); re-raise the first failure.
+
+    ``eager`` False (default) sends even small messages through the trees, so
+    that tests of small sizes exercise the programs; True keeps the one-round
+    path for small messages.
+    """
     world = LoopbackWorld(n)
     cfg = load_config(env or {})
     results: list[Any] = [None] * n
@@ -76,6 +82,8 @@ def run_loopback(
         try:
             comm = Communicator(r, n, topology or cpu(n), None, cfg, transport=world.transport(r),
                                 planner=planner or hand_planner())
+            if not eager:
+                comm.eager_bytes = 0
             results[r] = body(r, comm)
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             errors[r] = exc
@@ -109,6 +117,8 @@ def rank_errors(n: int, body, **kw) -> list[BaseException | None]:
         try:
             comm = Communicator(r, n, kw.get("topology") or cpu(n), None, cfg, transport=world.transport(r),
                                 planner=kw.get("planner") or hand_planner())
+            if not kw.get("eager", False):
+                comm.eager_bytes = 0
             body(r, comm)
         except BaseException as exc:  # noqa: BLE001
             errors[r] = exc

@@ -1,0 +1,622 @@
+"""``blink perf``: the benchmark, with nccl-tests' flags, columns and checking (FORMATS.md section 3).
+
+Modelled on nccl-tests (``src/common.cu``): sizes from ``-b`` to ``-e`` by
+``-f`` (or ``-i``), ``-w`` warm-up and ``-n`` timed iterations, ``-c 1``
+checking with data whose result is exactly predictable
+(:mod:`blink_horovod.runtime.verifiable`), and the columns ``size count type
+redop root time algbw busbw #wrong``; ``busbw`` is ``algbw * 2(n-1)/n`` for
+allreduce and ``algbw`` for broadcast (nccl-tests ``doc/PERFORMANCE.md``).
+``time`` is the slowest rank's mean time per iteration.
+
+``--impl both`` runs every size through Blink and through stock Horovod
+(``hvd.allreduce_``/``hvd.broadcast_`` on torch CPU tensors, stepping around any
+``BLINK_ENABLE`` hook) in the same run, their columns side by side, as
+nccl-tests puts out-of-place and in-place side by side.
+
+Ranks come from Horovod (under ``horovodrun``/``blinkrun``), from mpi4py
+(under ``mpirun`` where Horovod is not built), from a directory of files
+(``--rendezvous-dir DIR --rank R --nranks N``, ranks started by hand), or
+there is one rank.  With several servers, Blink's allreduce is the
+hierarchical one: intra-server reduce over Blink's trees, cross-server
+allreduce of each segment among the same-local-rank ranks (a Horovod process
+set, or an MPI communicator), intra-server broadcast.
+
+Exit status: 0, or 1 if any ``#wrong`` > 0 (bad input: 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..config import load_config
+from ..errors import ConfigError
+from ..units import parse_size
+
+__all__ = ["register", "run", "size_list", "busbw_factor"]
+
+IMPLS = ("blink", "horovod", "both")
+COLLECTIVES = ("allreduce", "broadcast")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "perf",
+        help="benchmark Blink's collectives (and stock Horovod's) like nccl-tests",
+        description=(
+            "Benchmark allreduce/broadcast over this server's ranks (and the servers of a Horovod job) with "
+            "nccl-tests' flags and columns; -c 1 checks every result exactly and the exit status is 1 if "
+            "any element is wrong. Run under horovodrun/blinkrun, mpirun, or alone."
+        ),
+        epilog="Sizes take K, M, G suffixes (2^10, 2^20, 2^30 bytes); rates are GB/s (10^9 bytes/s).",
+    )
+    p.add_argument("-b", "--minbytes", default="32M", help="smallest size (default 32M)")
+    p.add_argument("-e", "--maxbytes", default="32M", help="largest size (default 32M)")
+    p.add_argument("-f", "--stepfactor", default="2", help="multiply the size by this (default 2)")
+    p.add_argument("-i", "--stepbytes", default=None, help="add this many bytes instead of -f")
+    p.add_argument("-n", "--iters", default="20", help="timed iterations per size (default 20)")
+    p.add_argument("-w", "--warmup_iters", default="5", help="warm-up iterations per size (default 5)")
+    p.add_argument("-c", "--check", default="1", help="1: check every result exactly (default), 0: do not")
+    p.add_argument("--collective", default="allreduce", help="allreduce (default) or broadcast")
+    p.add_argument("-o", "--op", default="sum", help="sum, average, min, max, product, or all (default sum)")
+    p.add_argument("-d", "--dtype", default="float32",
+                   help="float32 (float), float64 (double), float16 (half), bfloat16, int32, int64, int8, uint8, "
+                        "int16, or all (default float32)")
+    p.add_argument("-r", "--root", default="0", help="broadcast root rank (default 0)")
+    p.add_argument("--impl", default="blink", help="blink (default), horovod, or both side by side")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the rows as JSON (rank 0, atomically)")
+    p.add_argument("--rendezvous-dir", default=None, help="ranks started by hand: a directory they share")
+    p.add_argument("--rank", default=None, help="with --rendezvous-dir: this rank")
+    p.add_argument("--nranks", default=None, help="with --rendezvous-dir: the number of ranks")
+    p.set_defaults(func=run)
+
+
+# -- argument checking --------------------------------------------------------------
+def _int(text: str, flag: str, minimum: int) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{flag}: expected an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def size_list(minbytes: int, maxbytes: int, factor: int, stepbytes: int | None) -> list[int]:
+    """nccl-tests' sizes: ``minbytes`` up to ``maxbytes`` by ``*factor`` (or ``+stepbytes``)."""
+    if maxbytes < minbytes:
+        raise ConfigError(f"-e: maxbytes {maxbytes} is below minbytes {minbytes}")
+    out, size = [], minbytes
+    while size <= maxbytes:
+        out.append(size)
+        nxt = size + stepbytes if stepbytes else size * factor
+        if nxt <= size:
+            break
+        size = nxt
+    return out
+
+
+def busbw_factor(collective: str, n: int) -> float:
+    """nccl-tests' bus bandwidth factor: allreduce 2(n-1)/n, broadcast 1."""
+    return 2.0 * (n - 1) / n if collective == "allreduce" and n > 1 else 1.0
+
+
+@dataclass
+class _Args:
+    sizes: list[int]
+    iters: int
+    warmup: int
+    check: bool
+    collective: str
+    ops: list[str]
+    dtypes: list[str]
+    root: int
+    impls: list[str]
+    json_path: str | None
+    factor_text: str
+    minbytes: int
+    maxbytes: int
+
+
+def _parse(args: argparse.Namespace) -> _Args:
+    from ..runtime.dtypes import DTYPES, OPS, canonical_dtype, check_op
+
+    minbytes = parse_size(args.minbytes, "-b")
+    maxbytes = parse_size(args.maxbytes, "-e")
+    if minbytes < 1:
+        raise ConfigError(f"-b: expected at least 1 byte, got {args.minbytes!r}")
+    factor = _int(args.stepfactor, "-f", 1)
+    stepbytes = parse_size(args.stepbytes, "-i") if args.stepbytes is not None else None
+    if stepbytes is None and factor < 2 and maxbytes > minbytes:
+        raise ConfigError(f"-f: a step factor of {factor} never reaches -e {args.maxbytes}; use -f 2 or more, or -i")
+    collective = str(args.collective).strip().lower()
+    if collective not in COLLECTIVES:
+        raise ConfigError(f"--collective: expected allreduce or broadcast, got {args.collective!r}")
+    impl = str(args.impl).strip().lower()
+    if impl not in IMPLS:
+        raise ConfigError(f"--impl: expected blink, horovod or both, got {args.impl!r}")
+    device = str(args.device).strip().lower()
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device: expected cpu or cuda, got {args.device!r}")
+    if device == "cuda":
+        raise ConfigError(
+            "--device: cuda is not available here: this build has the CPU runtime only (no GPU executor, "
+            "and this machine has no CUDA device); use --device cpu"
+        )
+    check = _int(args.check, "-c", 0)
+    if check not in (0, 1):
+        raise ConfigError(f"-c: expected 0 or 1, got {args.check!r}")
+    ops = list(OPS) if str(args.op).strip().lower() == "all" else [check_op(args.op)]
+    if str(args.dtype).strip().lower() == "all":
+        dtypes = list(DTYPES)
+    else:
+        dtypes = [canonical_dtype(d, "--dtype") for d in str(args.dtype).split(",")]
+    if collective == "broadcast":
+        ops = ["sum"]  # no reduction; the column says "none"
+    return _Args(
+        sizes=size_list(minbytes, maxbytes, factor, stepbytes),
+        iters=_int(args.iters, "-n", 1),
+        warmup=_int(args.warmup_iters, "-w", 0),
+        check=bool(check),
+        collective=collective,
+        ops=ops,
+        dtypes=dtypes,
+        root=_int(args.root, "-r", 0),
+        impls=["blink", "horovod"] if impl == "both" else [impl],
+        json_path=args.json,
+        factor_text=f"{stepbytes}(bytes)" if stepbytes else f"{factor}(factor)",
+        minbytes=minbytes,
+        maxbytes=maxbytes,
+    )
+
+
+# -- the job: ranks, servers and how to reach them --------------------------------------
+@dataclass
+class _Job:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    server: int = 0
+    servers: int = 1
+    launcher: str = "alone"
+    hvd: Any = None
+    process_sets: list = field(default_factory=list)  # Horovod: one per local rank index
+    mpi: Any = None  # mpi4py world communicator
+    mpi_cross: Any = None  # mpi4py: my local rank's communicator across servers
+    rendezvous: Any = None
+    comm: Any = None  # the Blink communicator
+    gather: Callable[[Any], list] = lambda obj: [obj]
+
+    def server_of(self, rank: int) -> tuple[int, int]:
+        """(server, local rank) of a global rank: servers hold consecutive ranks."""
+        return rank // self.local_size, rank % self.local_size
+
+
+def _under_horovod() -> bool:
+    return "HOROVOD_RANK" in os.environ or "HOROVOD_HOSTNAME" in os.environ
+
+
+def _under_mpi() -> bool:
+    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE"))
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        raw = os.environ.get(name)
+        if raw and raw.strip().isdigit():
+            return int(raw)
+    return None
+
+
+def _start_horovod(job: _Job, cfg) -> None:
+    try:
+        import horovod.torch as hvd  # noqa: F401 - stock Horovod's PyTorch binding
+    except ImportError as exc:
+        raise ConfigError(f"--impl: stock Horovod (horovod.torch) is not importable here: {exc}") from None
+    size = _env_int("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE") or 1
+    local = cfg.local_size or _env_int("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE") or size
+    if size % local:
+        raise ConfigError(f"BLINK_LOCAL_SIZE: {local} ranks per server do not divide the job's {size} ranks")
+    sets = []
+    if local < size:
+        # One process set per local rank index: the ranks of the cross-server stage.
+        sets = [hvd.ProcessSet([s * local + i for s in range(size // local)]) for i in range(local)]
+    hvd.init(process_sets=sets) if sets else hvd.init()
+    job.hvd, job.process_sets = hvd, sets
+    job.rank, job.size = hvd.rank(), hvd.size()
+    job.local_size = local
+    job.local_rank, job.server, job.servers = job.rank % local, job.rank // local, job.size // local
+    if cfg.local_size is None and (hvd.local_rank(), hvd.local_size()) != (job.local_rank, local):
+        raise ConfigError(
+            f"BLINK_LOCAL_SIZE: Horovod placed rank {job.rank} as local rank {hvd.local_rank()} of "
+            f"{hvd.local_size()}, not {job.local_rank} of {local} (ranks must be numbered server by server); "
+            "set BLINK_LOCAL_SIZE"
+        )
+    job.launcher = "horovod"
+    job.gather = lambda obj: hvd.allgather_object(obj)
+
+
+def _make_job(a: _Args, args: argparse.Namespace, cfg) -> _Job:
+    from ..runtime import rendezvous as rdv
+
+    job = _Job()
+    if args.rendezvous_dir:
+        if args.rank is None or args.nranks is None:
+            raise ConfigError("--rendezvous-dir: needs --rank R and --nranks N")
+        n = _int(args.nranks, "--nranks", 1)
+        r = _int(args.rank, "--rank", 0)
+        if r >= n:
+            raise ConfigError(f"--rank: {r} is not below --nranks {n}")
+        if "horovod" in a.impls:
+            raise ConfigError("--impl: stock Horovod needs horovodrun; ranks started by hand run --impl blink")
+        job.rendezvous = rdv.FileRendezvous(args.rendezvous_dir, r, n, cfg.timeout_seconds)
+        job.rank = job.local_rank = r
+        job.size = job.local_size = n
+        job.launcher = "files"
+        job.gather = lambda obj: job.rendezvous.allgather(obj)
+        return job
+    if _under_horovod() or "horovod" in a.impls:
+        _start_horovod(job, cfg)
+        if "blink" in a.impls:
+            job.rendezvous = rdv.from_horovod(job.hvd, cfg)
+        return job
+    if _under_mpi():
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        job.mpi = world
+        job.rendezvous = rdv.from_mpi(world, cfg)
+        job.rank, job.size = world.Get_rank(), world.Get_size()
+        job.local_rank, job.local_size = job.rendezvous.local_rank, job.rendezvous.local_size
+        job.server, job.servers = job.rendezvous.server, job.rendezvous.servers
+        if job.servers > 1:
+            job.mpi_cross = world.Split(color=job.local_rank, key=job.rank)
+        job.launcher = "mpi"
+        job.gather = lambda obj: world.allgather(obj)
+        return job
+    return job
+
+
+# -- the implementations -----------------------------------------------------------------
+_WIDE = {"float16": np.float32, "bfloat16": np.float32, "int8": np.int32, "uint8": np.int32, "int16": np.int32}
+
+
+def _to_torch(arr: np.ndarray, dtype: str):
+    import torch
+
+    if dtype == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def _hvd_op(hvd: Any, op: str) -> Any:
+    return {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max, "product": hvd.Product}[op]
+
+
+def _bypass():
+    """Stock Horovod even under BLINK_ENABLE=1 (the ops hook's own bypass, when installed)."""
+    try:
+        from ..ops.patching import bypass
+    except ImportError:
+        return contextlib.nullcontext()
+    return bypass()
+
+
+def _cross_allreduce(job: _Job, dtype: str, name: str) -> Callable[[np.ndarray, str], None]:
+    """The cross-server stage for Blink's hierarchical allreduce: segment i among local ranks i."""
+    from ..runtime.dtypes import finish_average  # noqa: F401 - average never reaches this stage
+    from ..runtime.verifiable import to_float64
+
+    def widen(seg: np.ndarray) -> np.ndarray:
+        return to_float64(seg, dtype).astype(_WIDE[dtype]) if dtype in _WIDE else seg
+
+    def narrow(seg: np.ndarray, wide: np.ndarray) -> None:
+        if wide is seg:
+            return
+        if dtype == "bfloat16":
+            from ..runtime.dtypes import f32_to_bf16, numpy_dtype
+
+            bits = f32_to_bf16(wide.astype(np.float32))
+            seg[...] = bits.view(numpy_dtype("bfloat16")) if seg.dtype != np.uint16 else bits
+        else:
+            seg[...] = wide.astype(seg.dtype)
+
+    if job.hvd is not None:
+        hvd, ps = job.hvd, job.process_sets[job.local_rank]
+
+        def cross(seg: np.ndarray, op: str) -> None:
+            wide = widen(seg)
+            with _bypass():
+                hvd.allreduce_(_to_torch(np.ascontiguousarray(wide), "x"), op=_hvd_op(hvd, op), name=name,
+                               process_set=ps)
+            narrow(seg, wide)
+
+        return cross
+    if job.mpi_cross is not None:
+        from mpi4py import MPI
+
+        ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}
+
+        def cross_mpi(seg: np.ndarray, op: str) -> None:
+            wide = np.ascontiguousarray(widen(seg) if dtype not in ("float32", "float64", "int32", "int64") else seg)
+            job.mpi_cross.Allreduce(MPI.IN_PLACE, wide, op=ops[op])
+            narrow(seg, wide)
+
+        return cross_mpi
+    raise ConfigError("several servers need Horovod or MPI for the cross-server stage")
+
+
+def _cross_broadcast(job: _Job, dtype: str, root: int, name: str) -> Callable[[np.ndarray], None]:
+    root_server, _ = job.server_of(root)
+    if job.hvd is not None:
+        hvd, ps = job.hvd, job.process_sets[job.local_rank]
+
+        def cross(arr: np.ndarray) -> None:
+            with _bypass():
+                hvd.broadcast_(_to_torch(arr.reshape(-1).view(np.uint8), "uint8"), root_rank=root, name=name,
+                               process_set=ps)
+
+        return cross
+    if job.mpi_cross is not None:
+
+        def cross_mpi(arr: np.ndarray) -> None:
+            job.mpi_cross.Bcast(arr.reshape(-1).view(np.uint8), root=root_server)
+
+        return cross_mpi
+    raise ConfigError("several servers need Horovod or MPI for the cross-server stage")
+
+
+def _blink_step(job: _Job, a: _Args, dtype: str, op: str, name: str) -> tuple[Callable[[np.ndarray], None], Callable[[], None]]:
+    """(one collective on an array, barrier) through Blink."""
+    from ..runtime.hierarchical import hierarchical_allreduce, hierarchical_broadcast
+
+    comm = job.comm
+    if a.collective == "allreduce":
+        if job.servers > 1:
+            cross = _cross_allreduce(job, dtype, name + ".cross")
+            step = lambda x: hierarchical_allreduce(comm, x, op, cross, job.size, name=name)  # noqa: E731
+        else:
+            step = lambda x: comm.allreduce(x, op, name=name)  # noqa: E731
+    else:
+        root_server, root_local = job.server_of(a.root)
+        if job.servers > 1:
+            cross_b = _cross_broadcast(job, dtype, a.root, name + ".cross")
+            step = lambda x: hierarchical_broadcast(comm, x, root_local, cross_b, name=name)  # noqa: E731
+        else:
+            step = lambda x: comm.broadcast(x, root_local, name=name)  # noqa: E731
+
+    def barrier() -> None:
+        if job.servers > 1:
+            job.gather(None)
+        else:
+            comm.barrier()
+
+    return step, barrier
+
+
+_HVD_TYPES = {"float16", "float32", "float64", "int32", "int64"}  # what horovod.torch reduces on CPU here
+
+
+def _horovod_step(job: _Job, a: _Args, dtype: str, op: str, name: str):
+    hvd = job.hvd
+    if dtype not in _HVD_TYPES and a.collective == "allreduce":
+        return None, None
+    if a.collective == "allreduce":
+        hop = _hvd_op(hvd, op)
+
+        def step(x: np.ndarray) -> None:
+            with _bypass():
+                hvd.allreduce_(_to_torch(x, dtype), op=hop, name=name)
+    else:
+
+        def step(x: np.ndarray) -> None:
+            with _bypass():
+                hvd.broadcast_(_to_torch(x.reshape(-1).view(np.uint8), "uint8") if dtype not in _HVD_TYPES
+                               else _to_torch(x, dtype), root_rank=a.root, name=name)
+
+    def barrier() -> None:
+        with _bypass():
+            hvd.allreduce_(_to_torch(np.zeros(1, np.float32), "float32"), op=hvd.Sum, name="blink.perf.barrier")
+
+    return step, barrier
+
+
+# -- measuring ------------------------------------------------------------------------------
+@dataclass
+class _Row:
+    impl: str
+    size: int
+    count: int
+    dtype: str
+    op: str
+    time_us: float | None
+    algbw: float | None
+    busbw: float | None
+    wrong: int | None  # None: not checked; -1 in the table: not run (n/a)
+
+
+def _measure(job: _Job, a: _Args, impl: str, dtype: str, op: str, size: int) -> _Row:
+    from ..runtime.dtypes import numpy_dtype
+    from ..runtime.verifiable import count_wrong, expected, make_input
+
+    dt = numpy_dtype(dtype)
+    count = size // dt.itemsize
+    name = f"blink.perf.{a.collective}.{dtype}.{op}.{size}"
+    if impl == "blink":
+        step, barrier = _blink_step(job, a, dtype, op, name)
+    else:
+        step, barrier = _horovod_step(job, a, dtype, op, name)
+    ok = step is not None
+    ok = all(job.gather(ok))
+    if not ok:
+        return _Row(impl, size, count, dtype, op, None, None, None, None)
+    x = np.zeros(count, dt)
+    for _ in range(a.warmup):
+        step(x)
+    if impl == "blink" and job.comm is not None:
+        # MIAD settles the chunk size during the first iterations; finish that before timing.
+        kind = a.collective if job.servers == 1 else ("reduce_to_roots" if a.collective == "allreduce" else "broadcast")
+        extra = 0
+        while extra < 40 and not all(job.gather(job.comm.tuning_converged(kind, x.nbytes if job.servers == 1
+                                                                              else x.nbytes))):
+            step(x)
+            extra += 1
+    barrier()
+    start = time.perf_counter()
+    for _ in range(a.iters):
+        step(x)
+    elapsed = (time.perf_counter() - start) / a.iters
+    wrong = 0
+    if a.check:
+        x = make_input(dtype, job.size, job.rank, count, op, a.collective, a.root)
+        step(x)
+        wrong = count_wrong(x, expected(dtype, job.size, count, op, a.collective, a.root), dtype)
+    stats = job.gather((elapsed, wrong))
+    slowest = max(t for t, _ in stats)
+    wrong_total = sum(w for _, w in stats) if a.check else None
+    algbw = size / slowest / 1e9 if slowest > 0 else 0.0
+    return _Row(impl, size, count, dtype, op, slowest * 1e6, algbw, algbw * busbw_factor(a.collective, job.size),
+                wrong_total)
+
+
+# -- printing (nccl-tests' layout) -------------------------------------------------------------
+def _fmt_time(us: float) -> str:
+    return f"{us:7.2f}" if us < 1e4 else f"{us:7.0f}" if us < 1e7 else f"{us:7.1e}"
+
+
+def _group_cols(row: _Row | None, check: bool) -> str:
+    if row is None or row.time_us is None:
+        return f"  {'n/a':>7}  {'n/a':>6}  {'n/a':>6}  {'n/a':>5}"
+    wrong = str(row.wrong) if check else "N/A"
+    return f"  {_fmt_time(row.time_us)}  {row.algbw:6.2f}  {row.busbw:6.2f}  {wrong:>5}"
+
+
+def _header(job: _Job, a: _Args, pids: list, hosts: list) -> list[str]:
+    from ..runtime.dtypes import NCCL_NAMES
+
+    lines = [
+        f"# blink perf: {a.collective}, impl {' + '.join(a.impls)}, {job.size} ranks "
+        f"({job.servers} server{'s' if job.servers != 1 else ''} of {job.local_size}), launcher {job.launcher}",
+        f"# nThread 1 nGpus 1 minBytes {a.minbytes} maxBytes {a.maxbytes} step: {a.factor_text} "
+        f"warmup iters: {a.warmup} iters: {a.iters} agg iters: 1 validation: {int(a.check)} graph: 0",
+        "#",
+        "# Using devices",
+    ]
+    for r in range(job.size):
+        s, lr = job.server_of(r)
+        lines.append(f"#  Rank {r:2d} Group  0 Pid {pids[r]:6d} on {hosts[r]:>10} device {lr:2d} [cpu] "
+                     f"server {s} local rank {lr}")
+    if job.comm is not None:
+        topo = job.comm.topology
+        chunk = "BLINK_CHUNK_BYTES" if job.comm.config.chunk_bytes else "MIAD"
+        lines.append(f"# Blink: topology {topo.name} ({topo.n} ranks per server), chunk size: {chunk}; "
+                     f"types: {', '.join(NCCL_NAMES[d] for d in a.dtypes)}")
+    lines.append("#")
+    groups = a.impls
+    width = 36
+    title = "#" + " " * 55 + "".join(f"{g:^{width}}" for g in groups)
+    lines.append(title.rstrip())
+    cols = "".join(f"  {'time':>7}  {'algbw':>6}  {'busbw':>6}  {'#wrong':>5}" for _ in groups)
+    units = "".join(f"  {'(us)':>7}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>5}" for _ in groups)
+    lines.append(f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}{cols}")
+    lines.append(f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}{units}")
+    return lines
+
+
+def _row_line(a: _Args, rows: dict[str, _Row]) -> str:
+    from ..runtime.dtypes import NCCL_NAMES
+
+    first = next(iter(rows.values()))
+    redop = first.op if a.collective == "allreduce" else "none"
+    root = -1 if a.collective == "allreduce" else a.root
+    head = f"{first.size:12d}  {first.count:12d}  {NCCL_NAMES[first.dtype]:>8}  {redop:>6}  {root:6d}"
+    return head + "".join(_group_cols(rows.get(impl), a.check) for impl in a.impls)
+
+
+def _write_json(path: str, rows: list[_Row], a: _Args, job: _Job) -> None:
+    from ..runtime.dtypes import NCCL_NAMES
+
+    out = {"rows": [
+        {"impl": r.impl, "collective": a.collective, "size": r.size, "count": r.count, "type": NCCL_NAMES[r.dtype],
+         "time_us": r.time_us, "algbw": r.algbw, "busbw": r.busbw, "wrong": r.wrong,
+         "op": r.op if a.collective == "allreduce" else None, "root": a.root if a.collective == "broadcast" else None,
+         "ranks": job.size, "servers": job.servers}
+        for r in rows
+    ]}
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".blink-perf-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(out, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)  # atomic: readers never see half a file
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    """``blink perf``: measure, print the table on rank 0, write ``--json``; 1 if any element is wrong."""
+    a = _parse(args)
+    cfg = load_config()
+    job = _make_job(a, args, cfg)
+    try:
+        if "blink" in a.impls:
+            from ..runtime.communicator import Communicator
+
+            job.comm = Communicator(job.local_rank, job.local_size, None, job.rendezvous, cfg, device="cpu")
+        pids = job.gather(os.getpid())
+        hosts = job.gather(socket.gethostname())
+        out = sys.stdout
+        if job.rank == 0:
+            print("\n".join(_header(job, a, pids, hosts)), file=out, flush=True)
+        rows: list[_Row] = []
+        for dtype in a.dtypes:
+            for op in a.ops:
+                for size in a.sizes:
+                    from ..runtime.dtypes import numpy_dtype
+
+                    if size < numpy_dtype(dtype).itemsize:
+                        continue
+                    measured = {impl: _measure(job, a, impl, dtype, op, size) for impl in a.impls}
+                    rows.extend(measured.values())
+                    if job.rank == 0:
+                        print(_row_line(a, measured), file=out, flush=True)
+        wrong = sum(r.wrong or 0 for r in rows)
+        if job.rank == 0:
+            print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}", file=out)
+            avgs = []
+            for impl in a.impls:
+                bws = [r.busbw for r in rows if r.impl == impl and r.busbw is not None]
+                avgs.append(f"{sum(bws) / len(bws):.3f} ({impl})" if bws else f"n/a ({impl})")
+            print(f"# Avg bus bandwidth    : {'  '.join(avgs)}", file=out)
+            if len(a.impls) == 2:
+                for dtype in a.dtypes:
+                    for op in a.ops:
+                        b = [r for r in rows if r.impl == "blink" and r.dtype == dtype and r.op == op and r.busbw]
+                        h = [r for r in rows if r.impl == "horovod" and r.dtype == dtype and r.op == op and r.busbw]
+                        if b and h and b[-1].size == h[-1].size:
+                            print(f"# blink/horovod busbw at {b[-1].size} B, {dtype} {op}: "
+                                  f"{b[-1].busbw / h[-1].busbw:.2f}x", file=out)
+            print("#", file=out, flush=True)
+            if a.json_path:
+                _write_json(a.json_path, rows, a, job)
+        return 1 if wrong > 0 else 0
+    finally:
+        if job.comm is not None:
+            job.comm.close()
+        if job.rendezvous is not None:
+            job.rendezvous.close()
