@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from blink_horovod.planner import make_plan  # noqa: E402
-from blink_horovod.topology import Link, Topology, machine  # noqa: E402
+from blink_horovod.planner import make_plan
+from blink_horovod.topology import Link, Topology, machine
 
 
 def switch_machine(n: int, links_per_gpu: int = 18, per_link: float = 25.0) -> Topology:

@@ -16,7 +16,6 @@ __all__ = [
     "CHANNELS",
     "COLLECTIVES",
     "FORMAT",
-    "PLANNER_VERSION",
     "Plan",
     "Tree",
     "available_channels",
@@ -24,7 +23,7 @@ __all__ = [
     "validate_plan",
 ]
 
-_LAZY = {"make_plan", "available_channels", "PLANNER_VERSION"}
+_LAZY = {"make_plan", "available_channels"}
 
 
 def __getattr__(name: str) -> Any:

@@ -22,8 +22,8 @@ so every rank that plans the same allocation gets the same plan.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -36,12 +36,9 @@ from .mwu import mwu_packing
 from .network import Network, TreeKey, channel_network
 from .optimum import optimal_packing
 from .plan import CHANNELS, COLLECTIVES, Plan, Tree, validate_plan
-from .refine import fewest_trees, tight_trees, tree_depth
+from .refine import fewest_trees, tight_trees
 
-__all__ = ["make_plan", "available_channels", "PLANNER_VERSION", "PlannerSettings"]
-
-# Part of the plan-cache key: bump whenever the same request may give another plan.
-PLANNER_VERSION = "1"
+__all__ = ["PlannerSettings", "available_channels", "make_plan", "plan_channel"]
 
 
 @dataclass(frozen=True)
@@ -232,7 +229,10 @@ def make_plan(
         raise PlanError(f"root: GPU {root!r} is not in the allocation {list(gpus)}")
     root_gpu = (gpus[0] if root is None else int(root)) if collective == "broadcast" else None
     wanted = _resolve_channels(topology, channels)
-    extras: dict = {"planner_version": PLANNER_VERSION}
+    # The plan cache's version: the package version and a hash of the planner's sources.
+    from .cache import planner_version
+
+    extras: dict = {"planner_version": planner_version()}
     if len(gpus) == 1:
         tree = Tree(gpus[0], 1.0, (), wanted[0])
         extras["note"] = "single GPU: nothing moves"
@@ -347,6 +347,3 @@ def _tidy(x: float) -> float:
         return float(x)
     return float(f"{x:.12g}")
 
-
-# tree_depth is re-exported for callers that want the planner's notion of depth.
-__all__.append("tree_depth")

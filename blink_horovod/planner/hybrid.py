@@ -12,7 +12,7 @@ that is a latency and the bandwidth model here has none.)
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..errors import PlanError
 

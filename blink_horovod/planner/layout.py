@@ -16,10 +16,10 @@ switch machines' one-hop stars stay one hop deep.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-__all__ = ["Piece", "orient", "eccentricity", "multi_root", "FILL_TOL"]
+__all__ = ["FILL_TOL", "Piece", "eccentricity", "multi_root", "orient"]
 
 FILL_TOL = 1e-7  # slivers below this (of the whole buffer) are merged, not split off
 

@@ -31,7 +31,7 @@ try:  # the binding without the banner-printing Python wrapper
 
     _RawHighs = _highs_core._Highs
     _INF = float(_highs_core.kHighsInf)
-except Exception:  # pragma: no cover - highspy is pinned in requirements.txt
+except (ImportError, AttributeError):  # pragma: no cover - highspy is pinned in requirements.txt
     _highs_core = None
     _RawHighs = None
     _INF = float("inf")

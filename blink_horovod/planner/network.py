@@ -32,15 +32,15 @@ Resources (../shared/spec/FORMATS.md, 2):
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 
 from ..errors import PlanError
 from ..topology.model import Topology
 
-__all__ = ["Network", "nvlink_network", "pcie_network", "channel_network", "TreeKey"]
+__all__ = ["Network", "TreeKey", "channel_network", "nvlink_network", "pcie_network"]
 
 # A tree inside the planner: a sorted tuple of (parent, child) vertex *indices*
 # (positions in Network.gpus).  For allreduce the pairs are (min, max): the tree

@@ -24,8 +24,8 @@ vertex partitions (Nash-Williams 1961 / Tutte 1961, fractional form).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from .lp import PackingLP
 from .network import Network, TreeKey
 from .spanning import min_arborescence, min_spanning_tree
 
-__all__ = ["Packing", "cheapest_tree", "solve_restricted", "optimal_packing", "STOP_TOL"]
+__all__ = ["STOP_TOL", "Packing", "cheapest_tree", "optimal_packing", "solve_restricted"]
 
 # Stop when the cheapest tree's reduced cost is within this of 1: the optimum is then
 # certified to relative accuracy STOP_TOL.

@@ -5,27 +5,37 @@ that keeps the rate within a threshold of the optimum with as few trees as
 possible (6 there).  Each tree costs the runtime streams, buffers and per-chunk
 work, and fewer, evenly weighted trees carry bigger chunks.
 
-Here, in four steps:
+Here, in five steps (every effort limit is a count, never seconds, so that
+every rank planning the same topology gets the same plan):
 
 1. **Tight candidates.** The pool is every tree any stage produced (MWU,
    column generation, shallow seeds) plus trees sampled from the optimal
    dual ``y*``: by complementary slackness an optimal packing uses only
    *tight* trees, whose dual cost ``sum_r load(t, r) y*_r`` is exactly 1 —
    the minimum spanning trees (arborescences) under the optimal edge prices;
-   re-running the pricer with tiny random tie-breaks samples many of them.
-   Non-tight trees are dropped, losing no optimal packing.
+   re-running the pricer with tiny random tie-breaks (seeded) samples many of
+   them.  Non-tight trees are dropped, losing no optimal packing.
 2. **Shallow first on switch machines** (``shallow=True``): the pool is cut
    to the smallest depth bound that still reaches the optimum (the paper's
    one-hop trees on a DGX-2, for latency).
-3. **Greedy heaviest-tree decomposition** (a fast incumbent): repeatedly fix
-   the pool tree that can carry the most in an optimal packing of what is
-   left (an LP ``max x_t`` with the rate held), subtract it, and continue until
-   ``keep`` x the optimum is placed.
-4. **MILP** (HiGHS via ``scipy.optimize.milp``, time-limited): binary ``u_t``,
-   ``x_t <= ub_t u_t``, ``A x <= c``, ``sum x >= keep * optimum``, at most one
-   tree fewer than the incumbent, minimising the tree count (depth breaks
-   ties).  If it finds nothing in its time, the incumbent stands.
+3. **Equal shares** (an integer program with no big-M): for k = 1, 2, ...,
+   can k trees of rate ``keep * optimum / k`` (tree multiplicities allowed)
+   fit?  With integral link counts this is Edmonds' integral arborescence
+   packing — a DGX-1V broadcast is 6 (or fewer) single-NVLink trees — and
+   equal rates keep chunks even (section 3.2.1); small k are proven
+   infeasible in milliseconds.
+4. **Greedy heaviest-tree decomposition**, when no equal-share packing was
+   found: repeatedly fix the pool tree that can carry the most in an optimal
+   packing of what is left (an LP ``max x_t`` with the rate held), subtract
+   it, and continue until ``keep`` x the optimum is placed.
+5. **Count MILP** (HiGHS, node-limited, started from the incumbent) on small
+   broadcast pools: binary ``u_t``, ``x_t <= ub_t u_t``, ``A x <= c``,
+   ``sum x >= keep * optimum``, minimising the tree count (depth breaks ties).
+   On big or allreduce pools its root node alone takes seconds, so it is
+   skipped there.
 
+Whatever beats the LP's basic solution (at most one tree per capacity row)
+wins; otherwise that basic solution stands.
 The chosen trees' rates are finally re-optimised by the LP over them alone.
 """
 
@@ -35,15 +45,16 @@ import contextlib
 import ctypes
 import os
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import numpy as np
+
 from .lp import LP, solve_milp
 from .network import Network, TreeKey
 from .optimum import Packing, cheapest_tree, solve_restricted
 
-__all__ = ["Refined", "tight_trees", "tree_depth", "fewest_trees", "KEEP"]
+__all__ = ["KEEP", "Refined", "fewest_trees", "tight_trees", "tree_depth"]
 
 KEEP = 0.9999  # the refined rate is at least KEEP x the optimum
 TIGHT_TOL = 1e-7

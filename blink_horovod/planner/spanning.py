@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["min_spanning_tree", "min_arborescence"]
+__all__ = ["min_arborescence", "min_spanning_tree"]
 
 
 def min_spanning_tree(w: np.ndarray, start: int = 0) -> list[tuple[int, int]] | None:

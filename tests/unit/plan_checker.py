@@ -41,10 +41,10 @@ from scipy.optimize import linprog
 __all__ = [
     "CheckError",
     "check_plan",
-    "independent_optimum",
-    "resource_model",
-    "random_machine",
     "connected_subsets",
+    "independent_optimum",
+    "random_machine",
+    "resource_model",
 ]
 
 CAP_TOL = 1e-6

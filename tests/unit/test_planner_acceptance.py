@@ -12,8 +12,13 @@ benchmarks/planner_sweep.py prints the same sweep with tree counts and times.
 from __future__ import annotations
 
 import pytest
+from plan_checker import (
+    check_plan,
+    connected_subsets,
+    independent_optimum,
+    random_machine,
+)
 
-from plan_checker import check_plan, connected_subsets, independent_optimum, random_machine
 from blink_horovod.planner import make_plan
 from blink_horovod.topology import Topology, machine
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from plan_checker import CheckError, check_plan, independent_optimum
+
 from blink_horovod.errors import PlanError
 from blink_horovod.planner import Plan, make_plan, validate_plan
 from blink_horovod.planner.load import plan_loads, predicted_rate, utilisation
@@ -186,3 +186,17 @@ def test_planning_time_8_and_16_gpus() -> None:
             make_plan(machine(name), collective, channels=["nvlink"])
         # CPU time, so other jobs on a shared CI host do not count
         assert (time.process_time() - t0) / 2 <= limit, name
+
+
+def test_another_process_plans_the_same_bytes() -> None:
+    # Every rank may plan for itself: the plan must not depend on timing or process state.
+    import subprocess
+    import sys
+
+    code = (
+        "from blink_horovod.planner import make_plan; from blink_horovod.topology import machine;"
+        "print(make_plan(machine('dgx1v'), 'allreduce').to_json())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    here = make_plan(machine("dgx1v"), "allreduce")
+    assert out.stdout.strip() == here.to_json()

@@ -41,8 +41,8 @@ def test_min_arborescence_matches_networkx(small: bool, monkeypatch: pytest.Monk
         assert sum(w[u, v] for u, v in got) == pytest.approx(ref, abs=1e-9)
         # and it is an arborescence: every vertex reaches the root
         parent = {c: p for p, c in got}
-        for v in parent:
-            seen = set()
+        for start in list(parent):
+            seen, v = set(), start
             while v != root:
                 assert v not in seen
                 seen.add(v)
