@@ -1,0 +1,233 @@
+"""nccl-tests-style benchmark of the GPU executor: ranks are processes (mpirun + mpi4py), possibly on one GPU.
+
+``mpirun -np N python benchmarks/gpu_perf.py -b 4 -e 1G -f 4 -c 1 --dtype all
+--collective allreduce --plan-dir benchmarks/gpu_plans --topology dgx1v
+--json out.json`` prints nccl-tests' columns (``size count type redop root
+time algbw busbw #wrong``, busbw factors 2(n-1)/n for allreduce and 1 for
+broadcast) plus ``host_us`` (host time per call: metadata check + graph
+launch), ``launch_us`` (graph launch alone) and ``copy_GBps`` (the device's own
+device-to-device copy rate at that size, measured in the same run by rank 0,
+read + write counted as nccl-tests' bandwidths are not: algbw counts bytes
+once).  ``--json`` follows ../shared/spec/FORMATS.md's ``blink perf`` rows
+with extra fields.  Exit status 1 if any ``#wrong`` > 0.
+
+Until ``blink perf --device cuda`` is wired to the GPU executor this script is
+the GPU benchmark; plans come from ``--plan-dir`` (computed on a machine with
+the planner, since the GPU machine has no cvxpy), chosen by topology name and
+rank count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np
+
+from blink_horovod.planner.plan import Plan
+from blink_horovod.units import format_size, parse_size
+
+GPU_DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64")
+NCCL = {"float32": "float", "float64": "double", "float16": "half", "bfloat16": "bfloat16", "int32": "int32",
+        "int64": "int64"}
+
+
+def load_plans(plan_dir: str, topology: str, n: int) -> dict[tuple[str, int | None], Plan]:
+    plans = {}
+    for collective, root in [("allreduce", None)] + [("broadcast", r) for r in range(n)]:
+        name = f"{topology}-n{n}-{collective}" + ("" if root is None else f"-r{root}") + ".json"
+        path = os.path.join(plan_dir, name)
+        if os.path.exists(path):
+            with open(path) as fh:
+                plans[(collective, root)] = Plan.from_json(fh.read())
+    return plans
+
+
+def fill(x, rank: int, dtype: str, seed: int) -> None:
+    """Integer-valued data that differs per rank and element, exact in every dtype: ((i*7 + r*13 + s) % 17) - 8."""
+    import cupy
+
+    i = cupy.arange(x.size, dtype=cupy.int64)
+    v = ((i * 7 + rank * 13 + seed) % 17 - 8).astype(cupy.float32)
+    if dtype == "bfloat16":
+        x[...] = (v.view(cupy.uint32) >> 16).astype(cupy.uint16)
+    else:
+        x[...] = v.astype(x.dtype)
+
+
+def count_wrong(x, dtype: str, ranks: list[int], seed: int = 0, block: int = 1 << 24) -> int:
+    """Elements of ``x`` that differ from the sum over ``ranks`` of :func:`fill`'s data (in blocks: 8 ranks
+    of 1 GB share one GPU)."""
+    import cupy
+
+    bad = 0
+    for lo in range(0, x.size, block):
+        i = cupy.arange(lo, min(x.size, lo + block), dtype=cupy.int64)
+        want = sum(((i * 7 + r * 13 + seed) % 17 - 8) for r in ranks).astype(cupy.float64)
+        bad += int(cupy.count_nonzero(values_f64(x[lo : lo + block], dtype) != want))
+    return bad
+
+
+def values_f64(x, dtype: str):
+    import cupy
+
+    if dtype == "bfloat16":
+        return (x.astype(cupy.uint32) << 16).view(cupy.float32).astype(cupy.float64)
+    return x.astype(cupy.float64)
+
+
+def storage(dtype: str):
+    import cupy
+
+    return cupy.uint16 if dtype == "bfloat16" else cupy.dtype(dtype)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-b", "--minbytes", default="4")
+    ap.add_argument("-e", "--maxbytes", default="64M")
+    ap.add_argument("-f", "--stepfactor", type=int, default=2)
+    ap.add_argument("-n", "--iters", type=int, default=20)
+    ap.add_argument("-w", "--warmup_iters", type=int, default=5)
+    ap.add_argument("-c", "--check", type=int, default=1)
+    ap.add_argument("--collective", default="allreduce", choices=["allreduce", "broadcast"])
+    ap.add_argument("--dtype", default="float32", help="a dtype, a comma list, or all")
+    ap.add_argument("--root", type=int, default=0)
+    ap.add_argument("--topology", default="dgx1v", help="plan family in --plan-dir")
+    ap.add_argument("--plan-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_plans"))
+    ap.add_argument("--chunk-bytes", default=None, help="fixed chunk size; default: size/(trees*8) in [64K, 4M]")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--time-limit", type=float, default=0, help="stop starting new sizes after this many seconds")
+    args = ap.parse_args()
+
+    import cupy
+    from mpi4py import MPI
+
+    from blink_horovod.runtime.gpu.harness import GpuServer
+    from blink_horovod.runtime.rendezvous import from_mpi
+
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    started = time.monotonic()
+    rdv = from_mpi(comm)
+    pids = rdv.allgather(os.getpid())
+    plans = load_plans(args.plan_dir, args.topology, n)
+    if ("allreduce", None) not in plans:
+        if rank == 0:
+            print(f"no plan {args.topology}-n{n}-allreduce.json in {args.plan_dir}", file=sys.stderr)
+        return 2
+    srv = GpuServer(rdv.local_rank, rdv.local_size, rdv.job_id, pids, timeout=120.0,
+                    planner=lambda c, r: plans[(c, r)])
+    dtypes = GPU_DTYPES if args.dtype == "all" else tuple(args.dtype.split(","))
+    sizes = []
+    s = parse_size(args.minbytes)
+    while s <= parse_size(args.maxbytes):
+        sizes.append(s)
+        s *= args.stepfactor
+    plan = plans[("allreduce", None)] if args.collective == "allreduce" else plans[("broadcast", args.root)]
+    ntrees = len(plan.trees)
+    factor = 2 * (n - 1) / n if args.collective == "allreduce" else 1.0
+    rows = []
+    stream = cupy.cuda.Stream(non_blocking=True)
+    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    if rank == 0:
+        print(f"# blink gpu_perf: {n} ranks, device {srv.ex.device} ({cupy.cuda.runtime.getDeviceProperties(srv.ex.device)['name'].decode()}), "
+              f"plan {args.topology} ({ntrees} trees), collective {args.collective}")
+        print(f"# {'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>4} {'time':>9} {'algbw':>7} {'busbw':>7} "
+              f"{'#wrong':>6} {'host_us':>8} {'launch_us':>9} {'copy_GBps':>9}")
+        print(f"# {'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>4} {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7}")
+    stopped = False
+    for dt in dtypes:
+        itemsize = np.dtype(storage(dt)).itemsize
+        for size in sizes:
+            late = bool(args.time_limit and time.monotonic() - started > args.time_limit)
+            if comm.bcast(late, root=0):  # every rank stops at the same size
+                stopped = True
+                break
+            count = max(1, size // itemsize)
+            nbytes = count * itemsize
+            if args.chunk_bytes:
+                srv.chunk_bytes = parse_size(args.chunk_bytes)
+            else:
+                srv.chunk_bytes = int(min(4 << 20, max(64 << 10, nbytes // (ntrees * 8))))
+            x = cupy.empty(count, storage(dt))
+            fill(x, rank, dt, 0)
+
+            def once(name: str, x=x, count=count, dt=dt) -> None:
+                if args.collective == "allreduce":
+                    srv.allreduce(x, count, dt, "sum", stream=stream, name=name)
+                else:
+                    srv.broadcast(x, count, dt, args.root, stream=stream, name=name)
+
+            wrong = 0
+            if args.check:
+                once("check")
+                stream.synchronize()
+                wrong = count_wrong(x, dt, list(range(n)) if args.collective == "allreduce" else [args.root])
+            iters = args.iters if nbytes < (64 << 20) else max(2, args.iters // 4)
+            for _ in range(args.warmup_iters):
+                once("perf")
+            stream.synchronize()
+            comm.Barrier()
+            host = []
+            launch = []
+            e0.record(stream)
+            for _ in range(iters):
+                h0 = time.perf_counter()
+                once("perf")
+                host.append(time.perf_counter() - h0)
+                launch.append(srv.ex.last_launch_seconds)
+            e1.record(stream)
+            e1.synchronize()
+            t = cupy.cuda.get_elapsed_time(e0, e1) * 1e-3 / iters
+            t = comm.allreduce(t, op=MPI.MAX)
+            wrong = comm.allreduce(wrong, op=MPI.SUM)
+            copy_gbps = None
+            if rank == 0:
+                y = cupy.empty_like(x)
+                e0.record(stream)
+                for _ in range(5):
+                    cupy.cuda.runtime.memcpyAsync(y.data.ptr, x.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                                  stream.ptr)
+                e1.record(stream)
+                e1.synchronize()
+                copy_gbps = 2 * nbytes * 5 / (cupy.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9
+                del y
+            host_us = comm.allreduce(1e6 * float(np.median(host)), op=MPI.MAX)
+            launch_us = comm.allreduce(1e6 * float(np.median(launch)), op=MPI.MAX)
+            algbw = nbytes / t / 1e9
+            row = {"impl": "blink", "collective": args.collective, "size": nbytes, "count": count, "type": dt,
+                   "time_us": t * 1e6, "algbw": algbw, "busbw": algbw * factor, "wrong": wrong, "ranks": n,
+                   "host_us": host_us, "launch_us": launch_us, "copy_GBps": copy_gbps, "chunk_bytes": srv.chunk_bytes,
+                   "root": args.root if args.collective == "broadcast" else -1}
+            rows.append(row)
+            if rank == 0:
+                print(f"  {nbytes:>12} {count:>12} {NCCL[dt]:>8} {'sum' if args.collective == 'allreduce' else 'none':>6} "
+                      f"{row['root']:>4} {t * 1e6:>9.1f} {algbw:>7.2f} {algbw * factor:>7.2f} {wrong:>6} "
+                      f"{host_us:>8.1f} {launch_us:>9.1f} {copy_gbps:>9.1f}  ({format_size(nbytes)})", flush=True)
+            del x
+        if stopped:
+            break
+    srv.close()
+    rdv.close()
+    if rank == 0:
+        total_wrong = sum(r["wrong"] for r in rows)
+        print(f"# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
+        if stopped:
+            print(f"# stopped after --time-limit {args.time_limit} s")
+        if args.json:
+            tmp = args.json + ".tmp"
+            with open(tmp, "w") as fh:
+                json.dump({"rows": rows, "ranks": n, "topology": args.topology, "stopped_early": stopped}, fh, indent=1)
+            os.replace(tmp, args.json)
+    bad = comm.bcast(sum(r["wrong"] for r in rows) if rank == 0 else None, root=0)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
