@@ -4,7 +4,8 @@ For each size it builds an NVSwitch machine (every GPU's 18 x 25 GB/s port on
 one switch, as an HGX board) and a random heterogeneous NVLink mesh
 (about six links per GPU of mixed counts and speeds), plans broadcast and allreduce over NVLink, and prints the
 planner's wall and CPU time per call, the optimum, the plan's rate and its
-tree count.  Everything runs in this process, on this machine's cores.
+tree count; every plan is checked by tests/unit/plan_checker.py (valid, no
+link over capacity at its rate).  Everything runs in this process.
 
 Usage::
 
@@ -23,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
+
+from plan_checker import check_plan  # tests/unit is on the path above
 
 from blink_horovod.planner import make_plan
 from blink_horovod.topology import Link, Topology, machine
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0, c0 = time.perf_counter(), time.process_time()
                 plan = make_plan(topo, coll, channels=["nvlink"])
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                check_plan(plan.to_dict(), topo.to_dict())  # valid, and no link over capacity
                 row = {"machine": topo.name, "n": n, "links": len(topo.links), "collective": coll, "wall_s": wall,
                        "cpu_s": cpu, "optimum": plan.optimum_gbps, "rate": plan.rate_gbps, "trees": len(plan.trees)}
                 rows.append(row)
