@@ -34,7 +34,7 @@ from blink_horovod.runtime.rendezvous import FileRendezvous
 GPU_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
 
 
-def test_plans(n: int):
+def hand_plans(n: int):
     """Hand-made multi-tree plans (two trees per root: a chain and a star), no planner needed."""
     gpus = tuple(range(n))
 
@@ -211,7 +211,7 @@ def main() -> None:
     srv = None
     try:
         pids = rdv.allgather(os.getpid())
-        srv = GpuServer(rank, n, rdv.job_id, pids, timeout=timeout, planner=test_plans(n),
+        srv = GpuServer(rank, n, rdv.job_id, pids, timeout=timeout, planner=hand_plans(n),
                         chunk_bytes=int(os.environ.get("BLINK_CHUNK_BYTES", str(64 << 10))))
         out = scenario(name, rank, n, srv, sys.argv[5:])
         srv.close()

@@ -73,6 +73,12 @@ def stream_pointer(stream: Any) -> int:
     raise ConfigError(f"stream: expected a CUDA stream (CuPy, torch or int), got {type(stream).__name__}")
 
 
+def device_count() -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceCount())
+
+
 class Cuda:
     """CUDA on one device for this process (``device`` index)."""
 
@@ -96,6 +102,13 @@ class Cuda:
         self._wait_and = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_AND
         self._write_default = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         self.sms = self.rt.deviceGetAttribute(self.rt.cudaDevAttrMultiProcessorCount, device)
+
+    def set_device(self) -> None:
+        """Make this executor's device current for the calling thread (CuPy kernels launch there)."""
+        self.rt.setDevice(self.device)
+
+    def stream_pointer(self, stream: Any) -> int:
+        return stream_pointer(stream)
 
     def _check(self, result: Any, what: str) -> Any:
         err = result[0] if isinstance(result, tuple) else result

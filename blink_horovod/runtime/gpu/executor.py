@@ -87,18 +87,17 @@ class GpuExecutor:
     fuses_average = True  # stage_out divides by n: the communicator must not finish averages itself
 
     def __init__(self, transport: Transport, timeout: float, stall: float, device: int | None = None,
-                 fault: str | None = None, max_graphs: int = 768) -> None:
-        from .device import Cuda
-
+                 fault: str | None = None, max_graphs: int = 768, cuda: Any = None) -> None:
         self.t = transport
         self.rank, self.nranks = transport.rank, transport.nranks
         self.timeout, self.stall = timeout, stall
         if fault:
             log.warning("BLINK_FAULT=%s is ignored by the GPU executor (CPU runtime only)", fault)
-        import cupy
+        if cuda is None:  # the real device; tests may pass an emulated one with the same methods
+            from .device import Cuda, device_count
 
-        ndev = cupy.cuda.runtime.getDeviceCount()
-        self.cuda = Cuda(self.rank % ndev if device is None else device)
+            cuda = Cuda(self.rank % device_count() if device is None else device)
+        self.cuda = cuda
         self.seq = 0
         self.epoch = 0
         self.failed: BaseException | None = None
@@ -140,7 +139,7 @@ class GpuExecutor:
         ``op`` ``average`` is finished on the device (:attr:`fuses_average`).
         Returns every rank's extras.
         """
-        from .device import device_pointer, stream_pointer
+        from .device import device_pointer
 
         if self.failed is not None:
             raise BlinkInternalError(f"{label}: this communicator is unusable after an earlier failure: {self.failed}")
@@ -148,6 +147,7 @@ class GpuExecutor:
             raise BlinkInternalError(f"{label}: the GPU executor is closed")
         ctx = WaitContext.start(label, self.timeout, self.stall)
         try:
+            self.cuda.set_device()
             t0 = time.perf_counter()
             self.seq += 1
             payloads = self.t.exchange_meta(self.seq, metadata.encode(checked, extras), ctx)
@@ -163,7 +163,7 @@ class GpuExecutor:
             need_bytes = max(p.program.count for p in pieces) * itemsize
             need_words = max(lw.nwords for lw in lows)
             grew = self._reserve(need_bytes, need_words, ctx)
-            sp = stream_pointer(stream)
+            sp = self.cuda.stream_pointer(stream)
             base = device_pointer(arr)
             mod = self._module(dtype)
             for piece, lw in zip(pieces, lows):
@@ -241,7 +241,7 @@ class GpuExecutor:
         assert self._seg is not None
         mem = Memory(self._flags, self._data, self._seg.words, self._args_host + 8 * residue,
                      self._args_dev + 8 * residue)
-        self.cuda.rt.setDevice(self.cuda.device)
+        self.cuda.set_device()
         exe = capture(self.cuda, lw, mem, residue, dtype, itemsize, op, mod, self._streams, self._events)
         self.captures += 1
         self._graphs[key] = (lw, exe)

@@ -30,12 +30,14 @@ class GpuServer:
 
     def __init__(self, local_rank: int, local_size: int, job: str, pids: list[int], timeout: float = 120.0,
                  planner: Callable[[str, int | None], Plan] | None = None, chunk_bytes: int = 1 << 20,
-                 device: int | None = None) -> None:
-        from ..shm import ShmTransport
+                 device: int | None = None, transport: Any = None, cuda: Any = None) -> None:
+        if transport is None:
+            from ..shm import ShmTransport
 
-        ctx = WaitContext.start("gpu server setup", timeout, 60.0)
-        self.transport = ShmTransport(local_rank, local_size, job, ctx, pids=pids, data_bytes=4096, nflags=16)
-        self.ex = GpuExecutor(self.transport, timeout, 60.0, device=device)
+            ctx = WaitContext.start("gpu server setup", timeout, 60.0)
+            transport = ShmTransport(local_rank, local_size, job, ctx, pids=pids, data_bytes=4096, nflags=16)
+        self.transport = transport
+        self.ex = GpuExecutor(self.transport, timeout, 60.0, device=device, cuda=cuda)
         self.rank, self.n = local_rank, local_size
         self.planner = planner
         self.chunk_bytes = chunk_bytes

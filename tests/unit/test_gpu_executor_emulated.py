@@ -1,0 +1,157 @@
+"""The GPU executor's host code (executor, graph builder, harness) run on an emulated device.
+
+tests/unit/gpu_emulator.py emulates the CUDA calls (one in-order hardware
+queue per rank, shared address space, IPC handles = addresses).  This checks
+the Python that had never run: metadata exchange, IPC handle exchange and
+buffer growth by generations, argument slots, the graph cache (captures per
+program/dtype/op/residue, none on repeats), launch order, ``average`` fused
+into staging, the hierarchical stages and close.  It says nothing about real
+CUDA behaviour (benchmarks/gpu_probe_run.sh on the GPU machine does).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "parallel"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_emulator import EmuCuda, Heap
+from gpu_rank import as_f64, expected, hand_plans, host_values
+
+from blink_horovod.runtime.dtypes import numpy_dtype
+from blink_horovod.runtime.gpu.harness import GpuServer
+from blink_horovod.runtime.loopback import LoopbackWorld
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def run_emulated(n: int, body, chunk_bytes: int = 256):
+    heap = Heap(96 << 20)
+    world = LoopbackWorld(n, data_bytes=4096, nflags=8)
+    results: list = [None] * n
+    errors: list = []
+
+    def rank_main(r: int) -> None:
+        cuda = EmuCuda(heap)
+        srv = None
+        try:
+            srv = GpuServer(r, n, "emu", [os.getpid()] * n, timeout=30.0, planner=hand_plans(n),
+                            chunk_bytes=chunk_bytes, transport=world.transport(r), cuda=cuda)
+            results[r] = body(r, srv, cuda, heap)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append((r, exc))
+            if srv is not None:
+                srv.ex.fail(exc)
+        finally:
+            if srv is not None:
+                srv.close()
+            cuda.shutdown()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not errors, errors
+    return results
+
+
+def put(cuda: EmuCuda, heap: Heap, x: np.ndarray) -> int:
+    ptr = cuda.malloc(max(x.nbytes, 8))
+    cuda.copy_to_device(ptr, x)
+    return ptr
+
+
+def get(cuda: EmuCuda, heap: Heap, ptr: int, like: np.ndarray) -> np.ndarray:
+    cuda.synchronize()
+    return heap.mem[ptr : ptr + like.nbytes].view(like.dtype).copy()
+
+
+@pytest.mark.parametrize("n", [2, 4])  # average data (multiples of 8) is exact for powers of two
+def test_all_collectives_every_op_through_the_real_executor(n: int) -> None:
+    def body(r, srv, cuda, heap):
+        bad = {}
+        for dt in ("float32", "bfloat16", "int64", "float16"):
+            for op in ("sum", "average", "min", "max", "product"):
+                for count in (1, 37, 1500):
+                    x = host_values(r, count, dt, op)
+                    p = put(cuda, heap, x)
+                    srv.allreduce(p, count, dt, op)
+                    got = as_f64(get(cuda, heap, p, x), dt)
+                    if not np.array_equal(got, expected(n, count, dt, op)):
+                        bad[("allreduce", dt, op, count)] = got[:5]
+            for root in range(n):
+                x = host_values(r, 999, dt, "sum", seed=3)
+                p = put(cuda, heap, x)
+                srv.broadcast(p, 999, dt, root)
+                if not np.array_equal(as_f64(get(cuda, heap, p, x), dt), as_f64(host_values(root, 999, dt, "sum", 3), dt)):
+                    bad[("broadcast", dt, root)] = 1
+            x = host_values(r, 1001, dt, "sum", seed=4)
+            p = put(cuda, heap, x)
+            lo, hi = srv.reduce_to_roots(p, 1001, dt, "sum")
+            got = as_f64(get(cuda, heap, p, x), dt)
+            want = as_f64(x, dt)
+            want[lo:hi] = expected(n, 1001, dt, "sum", seed=4)[lo:hi]
+            if not np.array_equal(got, want):
+                bad[("reduce_to_roots", dt)] = 1
+            srv.broadcast_from_roots(p, 1001, dt)
+            if not np.array_equal(as_f64(get(cuda, heap, p, x), dt), expected(n, 1001, dt, "sum", seed=4)):
+                bad[("broadcast_from_roots", dt)] = 1
+        return bad, srv.ex.captures, cuda.launches
+
+    for bad, captures, launches in run_emulated(n, body):
+        assert bad == {}
+        assert captures <= launches
+
+
+def test_repeats_reuse_graphs_and_growth_remaps_buffers() -> None:
+    n = 3
+
+    def body(r, srv, cuda, heap):
+        out = []
+        for count in (10, 10, 10, 10, 400_000, 400_000, 400_000, 400_000, 10):
+            x = host_values(r, count, "float32", "sum", seed=count)
+            p = put(cuda, heap, x)
+            before = srv.ex.captures
+            srv.allreduce(p, count, "float32", "sum")
+            out.append((count, srv.ex.captures - before, srv.ex._gen,
+                        np.array_equal(as_f64(get(cuda, heap, p, x), "float32"), expected(n, count, "float32", "sum", seed=count))))
+        return out
+
+    for rows in run_emulated(n, body, chunk_bytes=4096):
+        assert all(ok for *_, ok in rows), rows
+        # Three residues -> three captures for the first three calls of a program, none after;
+        # growing the buffer (400 000 floats > 1 MiB) drops the graphs and maps the new generation.
+        assert [c for _, c, _, _ in rows[:4]] == [1, 1, 1, 0]
+        assert rows[4][2] > rows[3][2]
+        assert [c for _, c, _, _ in rows[4:8]] == [1, 1, 1, 0]
+        assert rows[8][1] == 1  # back to the small size: its graphs were dropped at growth
+
+
+def test_many_launches_without_sync_respect_the_argument_slots() -> None:
+    n = 2
+
+    def body(r, srv, cuda, heap):
+        ptrs = []
+        for i in range(12):
+            x = host_values(r, 300 + i, "int32", "sum", seed=i)
+            p = put(cuda, heap, x)
+            srv.allreduce(p, 300 + i, "int32", "sum")  # no synchronize in between
+            ptrs.append((p, x, i))
+        cuda.synchronize()
+        return [np.array_equal(as_f64(get(cuda, heap, p, x), "int32"), expected(n, 300 + i, "int32", "sum", seed=i))
+                for p, x, i in ptrs]
+
+    for oks in run_emulated(n, body):
+        assert all(oks)
+
+
+def test_itemsize_of_every_gpu_dtype() -> None:
+    for dt, size in {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}.items():
+        assert numpy_dtype(dt).itemsize == size
