@@ -114,7 +114,8 @@ def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTran
         return cross.allgather_rows(row, layout.cross_ranks(), name)  # type: ignore[union-attr]
 
     engine = Engine(layout.rank, layout.size, layout.server, Hierarchy(layout, comm, cross), intra,
-                    cross_allgather if cross is not None else None, cfg.timeout_seconds, fusion_threshold())
+                    cross_allgather if cross is not None else None, cfg.timeout_seconds, fusion_threshold(),
+                    cfg.stall_check_seconds)
     log.info("blink: rank %d of %d, server %d of %d (%d ranks each), topology %s", layout.rank, layout.size,
              layout.server, layout.num_servers, layout.local_size,
              comm.topology.name if comm is not None else "-")

@@ -42,7 +42,7 @@ from .errors_bridge import as_horovod_error
 from .fusion import FlatBuffer
 from .hierarchical import Hierarchy
 from .patching import bypass
-from .negotiation import DTYPE_CODES, MAX_FUSED, Decision, Meta, Proposal, decide_global, decide_server, \
+from .negotiation import DTYPE_CODES, MAX_ENTRIES, Decision, Meta, Proposal, decide_global, decide_server, \
     encode_summary
 from .scaling import average_postscale, needs_scaling, scale_into
 
@@ -131,6 +131,9 @@ class Work:
     stock_finish: Callable[[Any], Any] | None = None
     keepalive: Any = None
     join: bool = False
+    name: str = ""
+    entry: Any = None
+    since: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -139,16 +142,6 @@ class Work:
     @property
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.arrays))
-
-    def fusable_with(self, other: "Work") -> bool:
-        a, b = self.meta, other.meta
-        if self.join or other.join or a.kind != b.kind:
-            return False
-        if a.kind == "allreduce":
-            return a.op == b.op and a.postscale == b.postscale and a.process_set == b.process_set
-        if a.kind == "broadcast":
-            return a.root == b.root and a.process_set == b.process_set
-        return False
 
 
 def identity_value(op: str, dtype: np.dtype) -> Any:
@@ -184,20 +177,22 @@ class Engine:
     hierarchy:
         Runs the data movement (:class:`.hierarchical.Hierarchy`).
     intra_allgather:
-        Allgather of a Python object over the server's ranks (the runtime's rendezvous).
+        Allgather of a Python object over the server's ranks (the runtime's shared metadata slots).
     cross_allgather:
         ``f(row, name) -> [num_servers, len(row)]`` over this rank's cross-server
         process set (None for single-server jobs).
     timeout:
-        ``BLINK_TIMEOUT_SECONDS``.
+        ``BLINK_TIMEOUT_SECONDS``: a collective not ready on every rank by then fails.
     fusion_bytes:
-        At most this many bytes fused into one round (``HOROVOD_FUSION_THRESHOLD``).
+        At most this many bytes fused into one round (``HOROVOD_FUSION_THRESHOLD``; 0: no fusion).
+    stall_seconds:
+        ``BLINK_STALL_CHECK_SECONDS``: warn, naming the ranks not arrived, after this long.
     """
 
     def __init__(self, rank: int, size: int, server_index: int, hierarchy: Hierarchy,
                  intra_allgather: Callable[[Any], list],
                  cross_allgather: Callable[[np.ndarray, str], np.ndarray] | None,
-                 timeout: float, fusion_bytes: int) -> None:
+                 timeout: float, fusion_bytes: int, stall_seconds: float = 60.0) -> None:
         self.rank = rank
         self.size = size
         self.server_index = server_index
@@ -206,9 +201,10 @@ class Engine:
         self.cross_allgather = cross_allgather
         self.timeout = timeout
         self.fusion_bytes = fusion_bytes
+        self.stall_seconds = stall_seconds
         self._cond = threading.Condition()
-        self._queue: collections.deque[Work] = collections.deque()
-        self._inflight: dict[str, int] = {}
+        self._queue: "collections.OrderedDict[str, Work]" = collections.OrderedDict()
+        self._counters: dict[str, int] = {}
         self._closed = False
         self._broken: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -216,6 +212,9 @@ class Engine:
         self._joined = False
         self._join_round = -1
         self._join_work: Work | None = None
+        self._want_meta: set[str] = set()
+        self._running: set[str] = set()
+        self._next_warn = 0.0
         self.last_round_seconds = 0.0
 
     # -- submission (caller threads) -------------------------------------------------------
@@ -225,21 +224,32 @@ class Engine:
 
     def submit(self, work: Work) -> Handle:
         """Queue ``work``; raise ``ValueError`` if its name is already in flight (as Horovod)."""
-        name = work.meta.name
         with self._cond:
             if self._broken is not None:
                 raise as_horovod_error(BlinkInternalError(
                     f"Blink engine stopped after an earlier failure: {self._broken}"))
             if self._closed:
                 raise as_horovod_error(BlinkInternalError("Horovod has been shut down (Blink engine closed)"))
-            if name is not None:
-                if name in self._inflight:
+            if work.join:
+                if self._join_work is not None:
+                    raise ValueError("join() called again before the previous join() returned")
+                self._join_work = work
+            else:
+                name = work.meta.name
+                kind = work.meta.stock_kind or work.meta.kind
+                if name is None:
+                    n = self._counters.get(kind, 0)
+                    self._counters[kind] = n + 1
+                    name = f"{kind}.noname.{n}"
+                elif name in self._queue or name in self._running:
                     raise ValueError(
                         f"Requested to {work.meta.kind} a tensor with the same name as another tensor that is "
                         f"currently being processed.  If you want to request another tensor, use a different "
                         f"tensor name. (name {name!r})")
-                self._inflight[name] = 1
-            self._queue.append(work)
+                work.name = name
+                work.entry = work.meta.entry(name)
+                work.since = time.monotonic()
+                self._queue[name] = work
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="blink-engine", daemon=True)
                 self._thread.start()
@@ -248,7 +258,7 @@ class Engine:
 
     def idle(self) -> bool:
         with self._cond:
-            return not self._queue and not self._joined
+            return not self._queue and not self._joined and self._join_work is None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -256,8 +266,11 @@ class Engine:
         """Stop after the round in progress; queued collectives fail with "shut down"."""
         with self._cond:
             self._closed = True
-            pending = list(self._queue)
+            pending = list(self._queue.values())
             self._queue.clear()
+            if self._join_work is not None and not self._joined:
+                pending.append(self._join_work)
+                self._join_work = None
             self._cond.notify_all()
         for w in pending:
             self._fail([w], BlinkInternalError("Horovod has been shut down before this collective ran"))
@@ -266,60 +279,75 @@ class Engine:
 
     # -- the thread ------------------------------------------------------------------------
 
-    def _take_head(self) -> list[Work] | None:
-        """Wait for work (or closing); return the fusable run at the queue head without popping it."""
-        with self._cond:
-            while not self._queue and not self._closed and not self._joined:
-                self._cond.wait(0.5)
-            if self._closed:
-                return None
-            if self._joined:
-                return []
-            run = [self._queue[0]]
-            budget = run[0].nbytes
-            for w in itertools.islice(self._queue, 1, MAX_FUSED):
-                if not run[0].fusable_with(w) or (self.fusion_bytes and budget + w.nbytes > self.fusion_bytes):
-                    break
-                if not self.fusion_bytes:
-                    break
-                run.append(w)
-                budget += w.nbytes
-            return run
-
-    def _pop(self, n: int) -> list[Work]:
-        with self._cond:
-            return [self._queue.popleft() for _ in range(n)]
-
     def _loop(self) -> None:
         with bypass():  # whatever this thread calls of Horovod is stock Horovod
             self._rounds()
 
-    def _rounds(self) -> None:
-        while True:
-            run = self._take_head()
-            if run is None:
-                return
-            if run and run[0].join:
-                self._pop(1)
-                self._joined, self._join_round, self._join_work = True, self._round, run[0]
-                run = []
+    def _proposal(self) -> Proposal | None:
+        """Wait for work, a join or closing; return this rank's proposal (None: closed)."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                if not self._queue and self._join_work is not None and not self._joined:
+                    self._joined, self._join_round = True, self._round
+                if self._joined or self._queue:
+                    break
+                self._cond.wait(0.5)
             if self._joined:
-                proposal = Proposal(self.rank, joined=True, join_round=self._join_round)
-            else:
-                proposal = Proposal(self.rank, metas=tuple(w.meta for w in run))
+                return Proposal(self.rank, joined=True, join_round=self._join_round)
+            works = list(itertools.islice(self._queue.values(), MAX_ENTRIES))
+            metas = tuple((w.name, w.meta) for w in works if w.name in self._want_meta)
+            return Proposal(self.rank, tuple(w.entry for w in works), metas=metas)
+
+    def _rounds(self) -> None:
+        delay = 0.0
+        while True:
+            proposal = self._proposal()
+            if proposal is None:
+                return
             t0 = time.perf_counter()
             try:
                 decision = self._negotiate(proposal)
             except BaseException as exc:  # a timeout or a dead peer: ranks may be out of step now
-                self._break(exc, run)
+                self._break(exc)
                 return
             self._round += 1
+            if decision.action == "wait":
+                delay = min(max(delay * 2, 2e-4), 0.02)
+                self._idle_wait(decision, delay)
+                continue
+            delay = 0.0
             try:
-                self._execute(decision, run)
+                self._execute(decision)
             except BaseException as exc:
-                self._break(exc, [])
+                self._break(exc)
                 return
             self.last_round_seconds = time.perf_counter() - t0
+
+    def _idle_wait(self, decision: Decision, delay: float) -> None:
+        """Nothing ready on every rank: back off (as Horovod's cycle time), warn, fail what timed out."""
+        now = time.monotonic()
+        missing = dict(decision.waiting)
+        with self._cond:
+            oldest = next(iter(self._queue.values()), None)
+            if oldest is not None and now - oldest.since > self.timeout:
+                self._queue.pop(oldest.name, None)
+                ranks = missing.get(oldest.name, ())
+                self._cond.release()
+                try:
+                    self._fail([oldest], BlinkTimeoutError(
+                        f"{oldest.meta.kind} {oldest.name!r}: not submitted by every rank within "
+                        f"{self.timeout:g} s (BLINK_TIMEOUT_SECONDS); missing ranks: "
+                        f"{list(ranks) or 'on another server'}"))
+                finally:
+                    self._cond.acquire()
+            elif oldest is not None and now - oldest.since > self.stall_seconds and now > self._next_warn:
+                self._next_warn = now + self.stall_seconds
+                log.warning("blink: rank %d has waited %.0f s for %s %r. Missing ranks: %s", self.rank,
+                            now - oldest.since, oldest.meta.kind, oldest.name,
+                            ", ".join(map(str, missing.get(oldest.name, ()))) or "on another server")
+            self._cond.wait(delay)
 
     def _negotiate(self, proposal: Proposal) -> Decision:
         proposals = self.intra_allgather(proposal)
@@ -327,24 +355,39 @@ class Engine:
         summaries = None
         if self.cross_allgather is not None:
             summaries = self.cross_allgather(encode_summary(view), f"blink.neg.{self._round}")
-        return decide_global(view, summaries, self.server_index)
+        return decide_global(view, summaries, self.server_index, self.fusion_bytes)
 
-    def _execute(self, decision: Decision, run: list[Work]) -> None:
+    def _take(self, names: Sequence[str]) -> list[Work]:
+        with self._cond:
+            works = [self._queue.pop(n) for n in names if n in self._queue]
+            for w in works:
+                self._running.add(w.name)
+            return works
+
+    def _execute(self, decision: Decision) -> None:
         if decision.action == "done_join":
-            work, self._joined, self._join_work = self._join_work, False, None
+            with self._cond:
+                work, self._joined, self._join_work = self._join_work, False, None
             if work is not None:
                 self._complete([work], decision.last_joined)
             return
         if decision.action == "mismatch":
-            if not self._joined:
-                head = self._pop(1)
-                self._fail(head, MismatchError(decision.message))
+            if self._joined or not decision.names:
+                return
+            name = decision.names[0]
+            if not decision.message:  # ask every rank for the full metadata of this name next round
+                self._want_meta.add(name)
+                return
+            self._want_meta.discard(name)
+            self._fail(self._take([name]), MismatchError(decision.message))
             return
         # "run"
         if self._joined:
             self._serve_joined(decision.head)
             return
-        works = self._pop(decision.count)
+        works = self._take(decision.names)
+        if not works:
+            return
         kind = works[0].meta.kind
         if decision.any_joined and kind in ("broadcast", "stock"):
             what = works[0].meta.stock_kind or kind
@@ -361,17 +404,14 @@ class Engine:
             elif kind == "stock":
                 self._run_stock(works)
                 return
-            elif kind == "barrier":
-                pass
         except BaseException as exc:
             self._fail(works, exc)
             raise
         seconds = time.perf_counter() - t0
-        nbytes = sum(w.nbytes for w in works)
         if kind in ("allreduce", "broadcast"):
             for i, w in enumerate(works):
                 record(kind, w.nbytes, seconds if i == 0 else 0.0)
-        self._complete(works, None, nbytes=nbytes)
+        self._complete(works, None)
 
     # -- data stages ---------------------------------------------------------------------------
 
@@ -416,13 +456,13 @@ class Engine:
             self._release(w)
             w.handle._set()
 
-    def _serve_joined(self, head: Meta | None) -> None:
+    def _serve_joined(self, head) -> None:
         """A joined rank's part in a collective the others run: the reduction's identity."""
         if head is None or head.kind != "allreduce":
             return
         op = _base_op(head.op)
         arrays = []
-        for dt, n in head.numel_by_dtype().items():
+        for dt, n in head.numel:
             ndt = self._numpy_dtype(dt)
             arrays.append(np.full(n, identity_value(op, ndt), dtype=ndt))
         for gi, group in enumerate(self._groups(arrays)):
@@ -442,9 +482,8 @@ class Engine:
     # -- completion --------------------------------------------------------------------------------
 
     def _release(self, w: Work) -> None:
-        if w.meta.name is not None:
-            with self._cond:
-                self._inflight.pop(w.meta.name, None)
+        with self._cond:
+            self._running.discard(w.name)
 
     def _complete(self, works: Sequence[Work], value: Any, nbytes: int = 0) -> None:
         for w in works:
@@ -462,13 +501,13 @@ class Engine:
             self._release(w)
             w.handle._set(error=err)
 
-    def _break(self, exc: BaseException, run: Sequence[Work]) -> None:
+    def _break(self, exc: BaseException) -> None:
         log.error("blink: collective engine stopped: %s", exc)
         with self._cond:
             self._broken = exc
-            pending = list(self._queue)
+            pending = list(self._queue.values())
             self._queue.clear()
-        if self._join_work is not None:
-            pending.append(self._join_work)
-            self._join_work = None
+            if self._join_work is not None:
+                pending.append(self._join_work)
+                self._join_work = None
         self._fail(pending, exc)

@@ -160,17 +160,35 @@ class _TorchStockWaiter(StockWaiter):
         return wait_horovod(_o("poll"), _o("synchronize"), self.h, timeout, "stock Horovod collective")
 
 
+_direct_counters: dict[tuple, int] = {}
+
+
 def _stock(kind: str, detail: str, process_set, submit_stock, name: str | None, tensors: Sequence[Any]):
-    """Hand a collective to stock Horovod: through the engine's order on the global set, directly otherwise."""
+    """Hand a collective to stock Horovod: through the engine's order on the global set, directly otherwise.
+
+    ``submit_stock(name)`` calls the original function with ``name``.  Unnamed
+    collectives always get an explicit name: Horovod names unnamed ops by its
+    per-process handle counter, which Blink's own cross-server ops advance
+    unevenly across local ranks (only the root's local rank broadcasts
+    across servers), so its automatic names would no longer meet.
+    """
     fallback(kind, detail)
     ctx = _ctx
     if ctx is None or _pset_key(process_set) is None:
-        return submit_stock()
+        if name is None:
+            ranks = tuple(getattr(process_set, "ranks", None) or ())
+            key = (kind, ranks)
+            n = _direct_counters.get(key, 0)
+            _direct_counters[key] = n + 1
+            name = f"blink.{kind}.ps{'_'.join(map(str, ranks))}.noname.{n}"
+        return submit_stock(name)
     meta = Meta(kind="stock", name=name, dtypes=tuple(_dtype_name(t) or "uint8" for t in tensors),
                 shapes=tuple(tuple(t.shape) for t in tensors), stock_kind=kind)
     handle = ctx.engine.new_handle(name)
-    work = Work(meta=meta, handle=handle, submit=lambda: _TorchStockWaiter(submit_stock(), ctx.config.timeout_seconds),
-                keepalive=tuple(tensors))
+    timeout = ctx.config.timeout_seconds
+    work = Work(meta=meta, handle=handle, keepalive=tuple(tensors))
+    work.submit = lambda: _TorchStockWaiter(submit_stock(work.name if name is not None else f"blink.{work.name}"),
+                                            timeout)
     return ctx.engine.submit(work)
 
 
@@ -181,7 +199,7 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
     if bypassed() or _ctx is None:
         return orig(tensor, output, name, op, prescale_factor, postscale_factor, process_set)
     return _allreduce_common([tensor], [output], name, op, prescale_factor, postscale_factor, process_set,
-                             lambda: orig(tensor, output, name, op, prescale_factor, postscale_factor, process_set),
+                             lambda nm: orig(tensor, output, nm, op, prescale_factor, postscale_factor, process_set),
                              grouped=False)
 
 
@@ -190,7 +208,7 @@ def _grouped_allreduce_async(tensors, outputs, name, op, prescale_factor, postsc
     if bypassed() or _ctx is None:
         return orig(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set)
     return _allreduce_common(list(tensors), list(outputs), name, op, prescale_factor, postscale_factor, process_set,
-                             lambda: orig(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set),
+                             lambda nm: orig(tensors, outputs, nm, op, prescale_factor, postscale_factor, process_set),
                              grouped=True)
 
 
@@ -241,7 +259,7 @@ def _broadcast_async(tensor, output, root_rank, name, process_set):
         return orig(tensor, output, root_rank, name, process_set)
     m = _mpi_ops
     m._check_function(m._broadcast_function_factory, tensor)
-    stock_call = lambda: orig(tensor, output, root_rank, name, process_set)  # noqa: E731
+    stock_call = lambda nm: orig(tensor, output, root_rank, nm, process_set)  # noqa: E731
     key = _pset_key(process_set)
     if key is None:
         return _stock("process set", "process sets other than the whole job", process_set, stock_call, name, [tensor])
@@ -278,7 +296,14 @@ def _stock_passthrough(fn_name: str, kind: str, tensor_at: int, name_at: int, ps
         tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         name = args[name_at] if len(args) > name_at else kwargs.get("name")
         process_set = args[pset_at] if len(args) > pset_at else kwargs.get("process_set")
-        return _stock(kind, f"Blink does not implement {kind}", process_set, lambda: orig(*args, **kwargs),
+        def call(nm):
+            a = list(args)
+            if len(a) > name_at:
+                a[name_at] = nm
+                return orig(*a, **kwargs)
+            return orig(*a, **{**kwargs, "name": nm})
+
+        return _stock(kind, f"Blink does not implement {kind}", process_set, call,
                       name if isinstance(name, str) else None, tensors)
 
     replacement.__name__ = fn_name

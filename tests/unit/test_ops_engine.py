@@ -96,6 +96,12 @@ def join(engine: Engine) -> int:
     return h.wait()
 
 
+def barrier(engine: Engine) -> None:
+    h = engine.new_handle(None)
+    engine.submit(Work(meta=Meta("barrier", None, (), ()), handle=h))
+    h.wait()
+
+
 def data(rank: int, n: int, dtype: str) -> np.ndarray:
     return ((np.arange(n) % 7) - 3 + rank).astype(dtype)
 
@@ -243,3 +249,34 @@ def test_duplicate_inflight_name_is_a_value_error(cfg) -> None:
 
     for out in run_job(cfg, 1, 3, body):
         np.testing.assert_array_equal(out, np.full(8, 3.0, dtype=np.float32))
+
+
+def test_named_collectives_meet_whatever_the_submission_order(cfg) -> None:
+    """As Horovod: ops are keyed by name, so ranks may submit them in different orders."""
+    def body(rank, engine):
+        names = ["a", "b", "c"] if rank % 2 == 0 else ["c", "a", "b"]
+        arrays = {n: np.full(4, ord(n) + rank, dtype=np.int64) for n in names}
+        handles = [allreduce(engine, arrays[n], name=n, wait=False) for n in names]
+        for h in handles:
+            h.wait()
+        return arrays
+
+    for arrays in run_job(cfg, 2, 2, body):
+        for n, a in arrays.items():
+            np.testing.assert_array_equal(a, np.full(4, 4 * ord(n) + 6))
+
+
+def test_a_named_op_left_pending_across_a_barrier(cfg) -> None:
+    """Horovod's test_horovod_allreduce_duplicate_name_error: rank 0 submits first, a barrier, then the others."""
+    def body(rank, engine):
+        h = None
+        if rank == 0:
+            h = allreduce(engine, np.ones(3, dtype=np.float32), name="late", wait=False)
+        barrier(engine)
+        if rank > 0:
+            h = allreduce(engine, np.ones(3, dtype=np.float32), name="late", wait=False)
+        barrier(engine)
+        return h.wait()
+
+    for out in run_job(cfg, 1, 3, body):
+        np.testing.assert_array_equal(out, np.full(3, 3.0, dtype=np.float32))

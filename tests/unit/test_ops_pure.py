@@ -8,8 +8,7 @@ import pytest
 from blink_horovod.errors import ConfigError
 from blink_horovod.ops.fusion import BucketTracker, FlatBuffer, fusion_threshold, plan_buckets
 from blink_horovod.ops.layout import Layout, layout_from_env, layout_from_horovod
-from blink_horovod.ops.negotiation import (Meta, Proposal, ServerView, decide_global, decide_server,
-                                           encode_summary, head_from_summary)
+from blink_horovod.ops.negotiation import Meta, Proposal, decide_global, decide_server, encode_summary
 from blink_horovod.ops.scaling import average_postscale, scale_into
 
 pytestmark = pytest.mark.timeout(60)
@@ -116,65 +115,66 @@ def test_flat_buffer_round_trip_and_single_view() -> None:
 
 # -- negotiation ---------------------------------------------------------------------------------------------------------
 
-def meta(shape=(4,), dtype="float32", name=None, op="sum", kind="allreduce", root=-1):
-    return Meta(kind, name, (dtype,), (tuple(shape),), op=op, root=root)
+def meta(shape=(4,), dtype="float32", op="sum", kind="allreduce", root=-1):
+    return Meta(kind, None, (dtype,), (tuple(shape),), op=op, root=root)
 
 
-def test_agreement_takes_the_common_prefix_for_fusion() -> None:
-    p0 = Proposal(0, (meta((4,)), meta((5,)), meta((6,))))
-    p1 = Proposal(1, (meta((4,)), meta((5,))))
-    view = decide_server([p0, p1])
-    assert view.count == 2 and not view.mismatch
-    d = decide_global(view, None, 0)
-    assert d.action == "run" and d.count == 2
+def prop(rank, *named, joined=False, join_round=-1, metas=()):
+    return Proposal(rank, tuple(m.entry(n) for n, m in named), joined=joined, join_round=join_round, metas=metas)
 
 
-def test_mismatch_names_both_ranks_and_the_field() -> None:
-    view = decide_server([Proposal(0, (meta((17, 17)),)), Proposal(1, (meta((18, 18)),))])
-    d = decide_global(view, None, 0)
-    assert d.action == "mismatch"
-    assert "tensor shapes" in d.message and "rank 0" in d.message and "rank 1" in d.message
-    d2 = decide_global(decide_server([Proposal(0, (meta(dtype="int32"),)), Proposal(1, (meta(),))]), None, 0)
-    assert "data types" in d2.message
-    d3 = decide_global(decide_server([Proposal(0, (meta(name="a"),)), Proposal(1, (meta(name="b"),))]), None, 0)
-    assert "tensor names" in d3.message
-    d4 = decide_global(decide_server([Proposal(0, (meta(kind="broadcast", root=0),)),
-                                      Proposal(1, (meta(kind="broadcast", root=1),))]), None, 0)
-    assert "root ranks" in d4.message
+def test_ready_everywhere_in_first_ranks_order_and_fused() -> None:
+    p0 = prop(0, ("a", meta((4,))), ("b", meta((5,))), ("c", meta((6,))))
+    p1 = prop(1, ("c", meta((6,))), ("a", meta((4,))))  # another order, and no "b" yet
+    view = decide_server([p1, p0])
+    assert [e.name for e in view.ready] == ["a", "c"] and dict(view.waiting) == {"b": (1,)}
+    d = decide_global(view, None, 0, 1 << 20)
+    assert d.action == "run" and d.names == ["a", "c"]  # fused: same fusion class
+    assert decide_global(view, None, 0, 0).names == ["a"]  # HOROVOD_FUSION_THRESHOLD=0: one at a time
 
 
-def test_unnamed_and_named_agree() -> None:
-    view = decide_server([Proposal(0, (meta(name="g"),)), Proposal(1, (meta(),))])
-    assert view.count == 1
+def test_nothing_ready_means_wait() -> None:
+    d = decide_global(decide_server([prop(0, ("a", meta())), prop(1, ("b", meta()))]), None, 0, 1 << 20)
+    assert d.action == "wait"
+
+
+def test_mismatch_needs_a_metadata_round_then_names_ranks_and_field() -> None:
+    m0, m1 = meta((17, 17)), meta((18, 18))
+    first = decide_global(decide_server([prop(0, ("x", m0)), prop(1, ("x", m1))]), None, 0, 1 << 20)
+    assert first.action == "mismatch" and first.names == ["x"] and first.message == ""
+    second = decide_global(decide_server([prop(0, ("x", m0), metas=(("x", m0),)),
+                                          prop(1, ("x", m1), metas=(("x", m1),))]), None, 0, 1 << 20)
+    assert second.action == "mismatch"
+    assert "tensor shapes" in second.message and "rank 0" in second.message and "rank 1" in second.message
+
+
+def test_mismatch_messages_name_the_field() -> None:
+    from blink_horovod.ops.negotiation import mismatch_message
+
+    assert "data types" in mismatch_message("t", {0: meta(dtype="int32"), 1: meta()})
+    assert "root ranks" in mismatch_message("t", {0: meta(kind="broadcast", root=0),
+                                                  1: meta(kind="broadcast", root=1)})
+    assert "reduction operations" in mismatch_message("t", {0: meta(op="sum"), 1: meta(op="max")})
 
 
 def test_join_rounds() -> None:
-    view = decide_server([Proposal(0, joined=True, join_round=3), Proposal(1, (meta(), meta()))])
-    d = decide_global(view, None, 0)
-    assert d.action == "run" and d.count == 1 and d.any_joined  # single collectives while anyone has joined
-    done = decide_global(decide_server([Proposal(0, joined=True, join_round=3),
-                                        Proposal(1, joined=True, join_round=5)]), None, 0)
+    view = decide_server([prop(0, joined=True, join_round=3), prop(1, ("a", meta()), ("b", meta()))])
+    d = decide_global(view, None, 0, 1 << 20)
+    assert d.action == "run" and d.names == ["a"] and d.any_joined  # single collectives while anyone has joined
+    done = decide_global(decide_server([prop(0, joined=True, join_round=3), prop(1, joined=True, join_round=5)]),
+                         None, 0, 1 << 20)
     assert done.action == "done_join" and done.last_joined == 1
 
 
 def test_cross_server_summaries() -> None:
-    a = decide_server([Proposal(0, (meta((8,)), meta((9,)))), Proposal(1, (meta((8,)), meta((9,))))])
-    b = decide_server([Proposal(2, (meta((8,)),)), Proposal(3, (meta((8,)),))])
-    d = decide_global(a, np.stack([encode_summary(a), encode_summary(b)]), 0)
-    assert d.action == "run" and d.count == 1
-    c = decide_server([Proposal(2, (meta((7,)),)), Proposal(3, (meta((7,)),))])
-    bad = decide_global(a, np.stack([encode_summary(a), encode_summary(c)]), 0)
-    assert bad.action == "mismatch" and "server 1" in bad.message
-    # a fully joined server learns the collective to serve from the summary alone
-    joined = decide_server([Proposal(2, joined=True, join_round=0), Proposal(3, joined=True, join_round=0)])
-    d = decide_global(joined, np.stack([encode_summary(a), encode_summary(joined)]), 1)
-    assert d.action == "run" and d.head.numel_by_dtype() == {"float32": 8}
-
-
-def test_summary_round_trip() -> None:
-    m = Meta("allreduce", None, ("float32", "int64", "float32"), ((2, 3), (4,), (5,)), op="average",
-             prescale=0.25, postscale=2.0)
-    v = encode_summary(ServerView(2, 0, 1, (123,), m))
-    h = head_from_summary(v)
-    assert h.op == "average" and h.prescale == 0.25 and h.postscale == 2.0
-    assert h.numel_by_dtype() == {"float32": 11, "int64": 4}
+    a = decide_server([prop(0, ("g", meta((8,))), ("h", meta((9,)))), prop(1, ("g", meta((8,))), ("h", meta((9,))))])
+    b = decide_server([prop(2, ("h", meta((9,)))), prop(3, ("h", meta((9,))))])
+    d = decide_global(a, np.stack([encode_summary(a), encode_summary(b)]), 0, 1 << 20)
+    assert d.action == "run" and d.names == ["h"]
+    c = decide_server([prop(2, ("h", meta((7,)))), prop(3, ("h", meta((7,))))])
+    bad = decide_global(a, np.stack([encode_summary(a), encode_summary(c)]), 0, 1 << 20)
+    assert bad.action == "mismatch" and bad.names == ["h"] and "server 1" in bad.message
+    # a fully joined server learns what to serve from the summary alone
+    joined = decide_server([prop(2, joined=True, join_round=0), prop(3, joined=True, join_round=0)])
+    d = decide_global(joined, np.stack([encode_summary(a), encode_summary(joined)]), 1, 1 << 20)
+    assert d.action == "run" and d.head.numel == (("float32", 8),)
