@@ -81,6 +81,8 @@ def scenario(name: str, rank: int, n: int, comm: Communicator, args: list[str]) 
             time.sleep(3600)
         comm.allreduce(np.ones(1000, np.float32))
         return out
+    if name == "die_in_setup":
+        return out
     if name == "big":
         count = int(args[0])
         x = np.full(count, rank + 1, np.float32)
@@ -118,7 +120,19 @@ def main() -> int:
 
         planner = hand_planner(os.environ.get("BLINK_TEST_SHAPE", "chain"))
     comm = None
+    if name == "die_in_setup" and rank == int(args[0]):
+        # Crash inside the shared-memory setup, after creating the segment and
+        # before the peers confirmed their mappings (its name is still linked).
+        import signal
+
+        from blink_horovod.runtime import shm
+
+        def die(self, *a, **k):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        shm.ShmTransport._confirm_mapped = die
     try:
+        print(json.dumps({"job": rdv.job_id, "rank": rank, "pid": os.getpid()}), flush=True)
         comm = Communicator(rank, n, None, rdv, cfg, planner=planner)
         if os.environ.get("BLINK_TEST_EAGER") == "0":
             comm.eager_bytes = 0
