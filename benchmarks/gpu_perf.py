@@ -4,8 +4,10 @@
 --collective allreduce --plan-dir benchmarks/gpu_plans --topology dgx1v
 --json out.json`` prints nccl-tests' columns (``size count type redop root
 time algbw busbw #wrong``, busbw factors 2(n-1)/n for allreduce and 1 for
-broadcast) plus ``host_us`` (host time per call: metadata check + graph
-launch), ``launch_us`` (graph launch alone) and ``copy_GBps`` (the device's own
+broadcast) plus ``host_us`` (wall time of the call: the metadata check, which
+waits for the other ranks' hosts, + the graph launch + any wait for a free
+argument slot when the device is the bottleneck), ``launch_us`` (host work of
+the launch part, slot waits excluded) and ``copy_GBps`` (the device's own
 device-to-device copy rate at that size, measured in the same run by rank 0,
 read + write counted as nccl-tests' bandwidths are not: algbw counts bytes
 once).  ``--json`` follows ../shared/spec/FORMATS.md's ``blink perf`` rows

@@ -107,6 +107,8 @@ class GpuExecutor:
         self.last_setup_free = False
         self.last_meta_seconds = 0.0
         self.last_launch_seconds = 0.0
+        self.last_wait_seconds = 0.0
+        self._waited = 0.0
         self.captures = 0
         self._closed = False
         self._seg: _Segment | None = None
@@ -166,15 +168,18 @@ class GpuExecutor:
             sp = self.cuda.stream_pointer(stream)
             base = device_pointer(arr)
             mod = self._module(dtype)
+            self._waited = 0.0
             for piece, lw in zip(pieces, lows):
                 self.epoch += 1
                 residue = self.epoch % RESIDUES
                 exe = self._graph(piece, lw, dtype, itemsize, op, residue, mod)
                 user = base + (piece.direct * itemsize if piece.direct is not None else 0)
                 self._launch(exe, residue, user, sp, ctx)
-                self.chunk_ops += sum(1 for c in lw.cmds if c.op >= 0)
+                self.chunk_ops += len(piece.program.ranks[self.rank])
             self.last_meta_seconds = t1 - t0
-            self.last_launch_seconds = time.perf_counter() - t1
+            # Host work of the launch part; time blocked on the device (slot reuse) is reported apart.
+            self.last_wait_seconds = self._waited
+            self.last_launch_seconds = time.perf_counter() - t1 - self._waited
             self.last_setup_free = not grew and self.captures == known
             return all_extras
         except BaseException as exc:
@@ -257,7 +262,9 @@ class GpuExecutor:
         """Host work of one piece: O(1) calls, whatever the program."""
         ev = self._slot_event[residue]
         if self._slot_used[residue] and not self.cuda.done(ev):
+            w0 = time.perf_counter()
             self._wait_event(ev, ctx, "the collective launched three pieces ago")
+            self._waited += time.perf_counter() - w0
         self._args_view[residue] = user
         if self._last_stream is not None and stream != self._last_stream:
             # Graphs of one rank must run in launch order (the barrier's three residues rely on it).

@@ -56,7 +56,7 @@ _TYPES = {
 assert set(_TYPES) == set(DTYPES)
 
 _PRELUDE = r"""
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define BLINK_HD __host__ __device__ __forceinline__
 #else
 #define BLINK_HD static inline
