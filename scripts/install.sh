@@ -277,7 +277,11 @@ fi
 
 # ---------------------------------------------------------------------------
 step 6 "pip install -e . (blink_horovod)"
-DEV_HASH="$(sha "$ROOT/setup.py" 2>/dev/null || sha "$ROOT/pyproject.toml")"
+# setup.py/pyproject.toml, plus any .pth hook it copies into site-packages (a copy, so
+# a changed hook needs a re-install even in editable mode).
+dev_inputs=()
+for f in "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/ops/*.pth; do [ -f "$f" ] && dev_inputs+=("$f"); done
+DEV_HASH="$(sha "${dev_inputs[@]}")"
 if stamp_is "$DEV_STAMP" "$DEV_HASH" \
    && "$PY" -c 'import importlib.metadata as m; m.version("blink_horovod")' >/dev/null 2>&1; then
     log "  already installed in editable mode, skipping"
