@@ -137,8 +137,10 @@ def main() -> int:
     rows = []
     stream = cupy.cuda.Stream(non_blocking=True)
     e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    name = cupy.cuda.runtime.getDeviceProperties(srv.ex.device)["name"]
+    name = name.decode() if isinstance(name, bytes) else str(name)
     if rank == 0:
-        print(f"# blink gpu_perf: {n} ranks, device {srv.ex.device} ({cupy.cuda.runtime.getDeviceProperties(srv.ex.device)['name'].decode()}), "
+        print(f"# blink gpu_perf: {n} ranks, device {srv.ex.device} ({name}), "
               f"plan {args.topology} ({ntrees} trees), collective {args.collective}")
         print(f"# {'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>4} {'time':>9} {'algbw':>7} {'busbw':>7} "
               f"{'#wrong':>6} {'host_us':>8} {'launch_us':>9} {'copy_GBps':>9}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -155,3 +156,66 @@ def test_many_launches_without_sync_respect_the_argument_slots() -> None:
 def test_itemsize_of_every_gpu_dtype() -> None:
     for dt, size in {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}.items():
         assert numpy_dtype(dt).itemsize == size
+
+
+def test_host_work_of_a_collective_does_not_grow_with_chunks() -> None:
+    """The host path of a collective makes the same number of Python calls at 1 and at 256 chunks per
+    tree (graphs are looked up, never rebuilt, and nothing walks the program): counted with cProfile,
+    which is deterministic where timings on a shared 2-core machine are not.  Times are printed."""
+    import cProfile
+    import pstats
+
+    n = 2
+    count = 2 * n * 256 * 16  # 16 elements per chunk at 256 chunks per tree
+
+    def body(r, srv, cuda, heap):
+        x = np.zeros(count, np.float32)
+        p = put(cuda, heap, x)
+        rows = {}
+        for chunks in (1, 16, 256):
+            srv.chunk_bytes = 4 * count // (2 * n) // chunks
+            for _ in range(4):  # three residues captured, then steady state
+                srv.allreduce(p, count, "float32", "sum")
+            cuda.synchronize()
+            prof = cProfile.Profile()
+            wall = []
+            for _ in range(20):
+                cuda.synchronize()  # an idle device: no wait for a free argument slot inside the call
+                t0 = time.perf_counter()
+                prof.enable()
+                srv.allreduce(p, count, "float32", "sum")
+                prof.disable()
+                wall.append(time.perf_counter() - t0)
+            cuda.synchronize()
+            calls = sum(v[1] for v in pstats.Stats(prof).stats.values())  # primitive calls, all functions
+            ops = max(len(o) for k, prog in srv.programs.items() if k[1] == count and k[2] == srv.chunk_bytes // 4
+                      for o in prog.ranks)
+            rows[chunks] = (calls / 20, ops, 1e6 * float(np.median(wall)))
+        return rows
+
+    for rows in run_emulated(n, body):
+        print({c: f"{calls:.0f} calls, {ops} ops, {us:.0f} us (profiled, emulated)" for c, (calls, ops, us) in rows.items()})
+        assert rows[256][1] > 100 * rows[1][1]  # the program really is > 100x longer
+        # Waits on the peer (metadata) may loop a few more times; nothing proportional to the program.
+        assert rows[256][0] <= rows[1][0] + 40, rows
+
+
+def test_mismatched_collectives_raise_on_every_rank_also_after_repeats() -> None:
+    """The reused encoding of repeated collectives must not hide a rank that suddenly differs."""
+    from blink_horovod.errors import MismatchError
+
+    n = 3
+
+    def body(r, srv, cuda, heap):
+        x = host_values(r, 64, "float32", "sum")
+        p = put(cuda, heap, x)
+        for _ in range(4):
+            srv.allreduce(p, 64, "float32", "sum", name="g")
+        try:
+            srv.allreduce(p, 64 if r != 2 else 63, "float32", "sum", name="g")
+        except MismatchError as exc:
+            return str(exc)
+        return None
+
+    msgs = run_emulated(n, body)
+    assert all(m and "mismatched shape" in m and "rank 2" in m for m in msgs), msgs

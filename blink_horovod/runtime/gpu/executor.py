@@ -109,6 +109,7 @@ class GpuExecutor:
         self.last_launch_seconds = 0.0
         self.last_wait_seconds = 0.0
         self._waited = 0.0
+        self._memo: tuple | None = None
         self.captures = 0
         self._closed = False
         self._seg: _Segment | None = None
@@ -152,8 +153,7 @@ class GpuExecutor:
             self.cuda.set_device()
             t0 = time.perf_counter()
             self.seq += 1
-            payloads = self.t.exchange_meta(self.seq, metadata.encode(checked, extras), ctx)
-            all_extras = metadata.check_agreement(payloads, self.seq)
+            all_extras = self._agree(checked, extras, ctx)
             t1 = time.perf_counter()
             pieces = list(build(all_extras))
             if not pieces:
@@ -185,6 +185,24 @@ class GpuExecutor:
         except BaseException as exc:
             self.fail(exc)
             raise
+
+    def _agree(self, checked: Mapping[str, Any], extras: Mapping[str, Any], ctx: WaitContext) -> list[dict[str, Any]]:
+        """The metadata exchange and check (:mod:`..metadata`), with the encoding and, when every rank sent
+        the same bytes, the decoding reused from the previous identical collective (a training step
+        repeats its buckets): byte-equal payloads decode to equal values, so this is exact."""
+        memo = self._memo
+        if memo is not None and memo[0] == checked and memo[1] == extras:
+            payload = memo[2]
+        else:
+            payload = metadata.encode(checked, extras)
+            memo = self._memo = (dict(checked), dict(extras), payload, None)
+        payloads = self.t.exchange_meta(self.seq, payload, ctx)
+        if all(p == payload for p in payloads):
+            if memo[3] is None:
+                decoded = metadata.check_agreement(payloads, self.seq)[0]
+                memo = self._memo = (memo[0], memo[1], payload, decoded)
+            return [dict(memo[3]) for _ in payloads]
+        return metadata.check_agreement(payloads, self.seq)
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait (with peer checks and a deadline) until this rank's launched work is done."""

@@ -193,8 +193,8 @@ def device_source(dtype: str) -> str:
         src.append(
             f'extern "C" __global__ void {kernel_name("reduce", dtype, op)}'
             "(blink_u64 dst, blink_u64 a, blink_u64 b, blink_i64 n) {\n"
-            "    blink_t* __restrict__ d = (blink_t*)dst;\n"
-            "    const blink_t* x = (const blink_t*)a;  /* may alias d: in-place reduction */\n"
+            "    blink_t* d = (blink_t*)dst;  /* no __restrict__: x aliases d (in-place reduction) */\n"
+            "    const blink_t* x = (const blink_t*)a;\n"
             "    const blink_t* __restrict__ y = (const blink_t*)b;\n"
             f"    {loop} d[i] = blink_op_{op}(x[i], y[i]);\n"
             "}\n"
