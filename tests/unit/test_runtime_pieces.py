@@ -169,3 +169,50 @@ def test_rendezvous_rejects_bad_ranks(tmp_path) -> None:
 def test_chunk_size_fixed_and_buckets() -> None:
     assert ChunkChooser(65536).chunk_bytes(1 << 30, None) == 65536
     assert bucket_of(1) == 1 and bucket_of(1000) == 1024 and bucket_of(1024) == 1024
+
+
+# -- 16-bit floats ----------------------------------------------------------------------------
+def test_half_conversions_are_exact_for_every_bit_pattern() -> None:
+    from blink_horovod.runtime.halfs import f16_to_f32, f32_to_f16
+
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    values = f16_to_f32(bits)
+    np.testing.assert_array_equal(values[~np.isnan(values)],
+                                  bits.view(np.float16).astype(np.float32)[~np.isnan(values)])
+    back = np.empty(65536, np.uint16)
+    f32_to_f16(values, back)
+    nan = np.isnan(values)
+    np.testing.assert_array_equal(back[~nan], bits[~nan])
+    assert np.isnan(back[nan].view(np.float16)).all()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_float32_to_half_rounds_like_numpy() -> None:
+    from blink_horovod.runtime.halfs import f32_to_f16
+
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, 2**32, 2_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.array([65504, 65519.996, 65520, 65536, 2.9802322e-8, 2.98023224e-8, 5.96e-8, -0.0, 1e-45,
+                      6.1035156e-05, 6.1035152e-05, np.inf, -np.inf], np.float32)
+    x = np.concatenate([x, edges])
+    got = np.empty(x.size, np.uint16)
+    f32_to_f16(x, got)
+    ok = ~np.isnan(x)
+    np.testing.assert_array_equal(got[ok], x[ok].astype(np.float16).view(np.uint16))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("op", dtypes.OPS)
+def test_fast_float16_reductions_are_bit_identical_to_numpy(op: str) -> None:
+    rng = np.random.default_rng(12)
+    a = (rng.standard_normal(100_000) * 300).astype(np.float16)
+    b = (rng.standard_normal(100_000) * 3).astype(np.float16)
+    fn = {"sum": np.add, "average": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}[op]
+    want = fn(a, b)
+    got = a.copy()
+    dtypes.reduce_into(got, b, op, "float16")
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got.view(np.uint16)[ok], want.view(np.uint16)[ok])
+    s = want.copy()
+    dtypes.finish_average(s, 3, "float16")
+    np.testing.assert_array_equal(s.view(np.uint16)[ok], (want / np.float16(3)).view(np.uint16)[ok])
