@@ -50,7 +50,7 @@ def run_ranks(n: int, scenario: str, *args: str, timeout: float = 240.0, env: di
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("n", [2, 4])
 def test_every_dtype_op_and_collective_exact(n: int) -> None:
-    for out in run_ranks(n, "dtypes", "1,1031,262147", timeout=500):
+    for out in run_ranks(n, "dtypes", "1,1031,65537", timeout=500):
         assert out.get("rc") == 0, out
         assert out["wrong"] == {}, out["wrong"]
 

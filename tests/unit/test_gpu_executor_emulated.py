@@ -219,3 +219,21 @@ def test_mismatched_collectives_raise_on_every_rank_also_after_repeats() -> None
 
     msgs = run_emulated(n, body)
     assert all(m and "mismatched shape" in m and "rank 2" in m for m in msgs), msgs
+
+
+def test_graph_cache_eviction_keeps_results_right() -> None:
+    n = 2
+
+    def body(r, srv, cuda, heap):
+        srv.ex.max_graphs = 6
+        ok = []
+        for i in range(14):
+            count = 50 + (i % 5) * 7
+            x = host_values(r, count, "int32", "sum", seed=i)
+            p = put(cuda, heap, x)
+            srv.allreduce(p, count, "int32", "sum")
+            ok.append(np.array_equal(as_f64(get(cuda, heap, p, x), "int32"), expected(n, count, "int32", "sum", seed=i)))
+        return ok, len(srv.ex._graphs)
+
+    for ok, kept in run_emulated(n, body):
+        assert all(ok) and kept <= 6

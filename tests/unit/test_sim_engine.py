@@ -218,3 +218,24 @@ def test_params_are_validated():
         SimParams(copy_s=-1.0)
     with pytest.raises(ConfigError, match="itemsize"):
         SimParams(itemsize=0)
+
+
+def test_folding_posts_into_their_ops_changes_no_time():
+    from blink_horovod.planner.plan import Plan, Tree
+    from blink_horovod.schedule import compile_program
+    from blink_horovod.topology import resolve
+
+    topo = resolve("dgx1v:0,1,2,3")
+    trees = (
+        Tree(0, 0.25, ((0, 1), (1, 2), (2, 3))),
+        Tree(1, 0.25, ((1, 3), (3, 0), (0, 2))),
+        Tree(2, 0.25, ((2, 0), (0, 1), (2, 3))),
+        Tree(3, 0.25, ((3, 2), (2, 1), (3, 0))),
+    )
+    plan = Plan("allreduce", "dgx1v", (0, 1, 2, 3), None, trees, 50.0, 75.0)
+    for kind in ("allreduce", "reduce", "broadcast"):
+        prog = compile_program(plan, 2**22, 2**16, kind)
+        a = simulate_program(prog, topo, PARAMS, fold_posts=True)
+        b = simulate_program(prog, topo, PARAMS, fold_posts=False)
+        assert a.time_s == pytest.approx(b.time_s, rel=1e-12), kind
+        assert a.rank_finish_s == pytest.approx(b.rank_finish_s, rel=1e-12)
