@@ -99,7 +99,9 @@ class EmuCuda:
 
     NOT_READY = 600
 
-    def __init__(self, heap: Heap, device: int = 0) -> None:
+    def __init__(self, heap: Heap, device: int = 0, inline: bool = False) -> None:
+        """``inline``: no worker thread; queued work runs in the caller's thread when it synchronizes
+        or queries an event (one rank alone only: nothing can wait for a peer)."""
         self.heap, self.device, self.sms = heap, device, 4
         self._h = 1
         self._current = 0
@@ -114,8 +116,10 @@ class EmuCuda:
         self._stop = False
         self.error: BaseException | None = None
         self.launches = 0
-        self._worker = threading.Thread(target=self._run, daemon=True)
-        self._worker.start()
+        self.inline = inline
+        self._worker = None if inline else threading.Thread(target=self._run, daemon=True)
+        if self._worker is not None:
+            self._worker.start()
 
     def _new_handle(self) -> int:
         self._h += 1
@@ -126,10 +130,20 @@ class EmuCuda:
         if self._capture is not None:
             self._capture.append(item)
             return
+        if self.inline:
+            self._issued += 1
+            self._q.append((self._issued, item))
+            return
         with self._cv:
             self._issued += 1
             self._q.append((self._issued, item))
             self._cv.notify_all()
+
+    def _drain_inline(self) -> None:
+        while self._q:
+            seq, item = self._q.popleft()
+            self._execute(item)
+            self._executed = seq
 
     def _run(self) -> None:
         while True:
@@ -223,6 +237,9 @@ class EmuCuda:
         self.heap.mem[dst : dst + b.size] = b
 
     def synchronize(self) -> None:
+        if self.inline:
+            self._drain_inline()
+            return
         with self._cv:
             while self._executed < self._issued:
                 self._cv.wait(0.05)
@@ -255,6 +272,11 @@ class EmuCuda:
         if self._capture is not None:
             self._capture.append(("record", ev))
             return
+        if self.inline:
+            self._issued += 1
+            self._q.append((self._issued, ("record", ev)))
+            self._events[ev] = self._issued
+            return
         with self._cv:
             self._issued += 1
             self._q.append((self._issued, ("record", ev)))
@@ -267,6 +289,8 @@ class EmuCuda:
     def done(self, ev: int) -> bool:
         if self.error:
             raise self.error
+        if self.inline and self._executed < self._events.get(ev, 0):
+            self._drain_inline()
         return self._executed >= self._events.get(ev, 0)
 
     def elapsed_ms(self, a: int, b: int) -> float:
@@ -321,4 +345,5 @@ class EmuCuda:
 
     def shutdown(self) -> None:
         self._stop = True
-        self._worker.join(5)
+        if self._worker is not None:
+            self._worker.join(5)

@@ -110,6 +110,7 @@ class GpuExecutor:
         self.last_wait_seconds = 0.0
         self._waited = 0.0
         self._memo: tuple | None = None
+        self._kinds: dict[tuple[str, str | None], tuple[str, int]] = {}
         self.captures = 0
         self._closed = False
         self._seg: _Segment | None = None
@@ -158,8 +159,10 @@ class GpuExecutor:
             pieces = list(build(all_extras))
             if not pieces:
                 return all_extras
-            op = check_op(op) if op is not None else "sum"
-            itemsize = numpy_dtype(dtype).itemsize
+            kind = self._kinds.get((dtype, op))
+            if kind is None:
+                kind = self._kinds[(dtype, op)] = (check_op(op) if op is not None else "sum", numpy_dtype(dtype).itemsize)
+            op, itemsize = kind
             known = self.captures
             lows = [self._lower(p) for p in pieces]
             need_bytes = max(p.program.count for p in pieces) * itemsize
