@@ -161,6 +161,7 @@ def main() -> int:
                 srv.chunk_bytes = int(min(4 << 20, max(64 << 10, nbytes // (ntrees * 8))))
             x = cupy.empty(count, storage(dt))
             fill(x, rank, dt, 0)
+            cupy.cuda.get_current_stream().synchronize()  # fill ran on CuPy's stream; the collectives use `stream`
 
             def once(name: str, x=x, count=count, dt=dt) -> None:
                 if args.collective == "allreduce":

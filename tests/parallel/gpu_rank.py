@@ -148,7 +148,10 @@ def scenario(name: str, rank: int, n: int, srv: GpuServer, args: list[str]) -> d
             dt = GPU_DTYPES[int(rng.integers(0, len(GPU_DTYPES)))]
             op = OPS[int(rng.integers(0, len(OPS)))]
             x = device(host_values(rank, count, dt, op, seed=i))
-            stream = cupy.cuda.Stream(non_blocking=True) if i % 3 == 0 else None
+            stream = None
+            if i % 3 == 0:  # another stream: it must first see the upload made on CuPy's current stream
+                stream = cupy.cuda.Stream(non_blocking=True)
+                stream.wait_event(cupy.cuda.get_current_stream().record())
             srv.allreduce(x, count, dt, op, stream=stream, name=f"loop{i}")
             keep.append((x, count, dt, op, i))
         srv.synchronize()
