@@ -287,8 +287,10 @@ class GpuExecutor:
             self._wait_event(ev, ctx, "the collective launched three pieces ago")
             self._waited += time.perf_counter() - w0
         self._args_view[residue] = user
-        if self._last_stream is not None and stream != self._last_stream:
+        if self._last_event is not None and not self.cuda.done(self._last_event):
             # Graphs of one rank must run in launch order (the barrier's three residues rely on it).
+            # Redundant on the same stream, but stream pointers cannot tell: a destroyed stream's
+            # address may come back as a new stream's.
             self.cuda.join(stream, self._last_event)
         self.cuda.launch(exe, stream)
         self.cuda.record(ev, stream)
@@ -386,7 +388,9 @@ class GpuExecutor:
                 log.warning("%s: rank %d's GPU has waited %.0f s for %s", ctx.label, self.rank, now - started, what)
                 next_warn = now + ctx.stall
             time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            # Short sleeps first: two more graphs are queued behind this one, and a late wake-up
+            # would let the device run dry on small messages; back off once the wait is long.
+            delay = min(delay * 2, 5e-5 if now - started < 0.005 else 1e-3)
 
     def _peer_done_words(self) -> list[int]:
         """Every rank's DONE word, read through the mappings on a private stream (never blocks on
