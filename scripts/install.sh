@@ -17,6 +17,9 @@
 #   BLINK_BUILD_JOBS=N     parallel compile jobs for horovod (default 2)
 #   BLINK_PYTHON=path      interpreter for the venv (default python3.11)
 #   BLINK_FORCE=1          ignore stamps: re-run pip and rebuild horovod
+#   BLINK_GPU=1            GPU servers (docker/Dockerfile): accept a CUDA torch and build horovod
+#                          with HOROVOD_GPU_OPERATIONS=NCCL (needs the CUDA toolkit and NCCL)
+#   BLINK_REQUIREMENTS=f   requirements file instead of requirements.txt (docker/requirements-gpu.txt)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,7 +29,8 @@ HVD_VERSION=0.28.1
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 BUILD="$ROOT/.build"
-REQ="$ROOT/requirements.txt"
+REQ="${BLINK_REQUIREMENTS:-$ROOT/requirements.txt}"
+GPU="${BLINK_GPU:-0}"
 PATCH="$ROOT/patches/horovod-$HVD_VERSION.patch"
 STAMP="$VENV/.blink-install.stamp"          # whole install completed
 REQ_STAMP="$VENV/.blink-requirements.sha256" # requirements.txt that was installed
@@ -136,7 +140,7 @@ else
     log "  requirements installed"
 fi
 # A CUDA torch would make horovod attempt a GPU build (fails here: no CUDA toolkit).
-[ "$FAST" = 1 ] || "$PY" - <<'EOF' || die "torch in .venv is not the pinned CPU build (see requirements.txt)"
+[ "$FAST" = 1 ] || [ "$GPU" = 1 ] || "$PY" - <<'EOF' || die "torch in .venv is not the pinned CPU build (see requirements.txt)"
 import torch, sys
 v = torch.__version__
 if torch.version.cuda is not None:
@@ -237,8 +241,10 @@ else
         || { cat "$BUILD/patch.log" >&2; die "patch $PATCH does not apply to horovod $HVD_VERSION"; }
     BUILD_LOG="$BUILD/horovod-build.log"
     log "  compiling (log: ${BUILD_LOG#"$ROOT"/}, MAKEFLAGS=-j$JOBS)"
-    # unset CUDA hints so horovod never attempts a GPU build here
-    env -u HOROVOD_GPU -u HOROVOD_GPU_OPERATIONS -u HOROVOD_GPU_ALLREDUCE -u HOROVOD_GPU_BROADCAST \
+    # unset CUDA hints so horovod never attempts a GPU build here (BLINK_GPU=1: build with NCCL)
+    if [ "$GPU" = 1 ]; then GPU_ENV=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED)
+    else GPU_ENV=(-u HOROVOD_GPU -u HOROVOD_GPU_OPERATIONS -u HOROVOD_GPU_ALLREDUCE -u HOROVOD_GPU_BROADCAST); fi
+    env "${GPU_ENV[@]}" \
         HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 \
         HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1 \
         MAKEFLAGS="-j$JOBS" \
