@@ -12,11 +12,12 @@ PYTEST_ARGS  ?=
 TEST_DIRS    := tests
 
 
-.PHONY: help install test demo paper lint clean distclean
+.PHONY: help install test demo paper lint clean distclean reliability
 
 help:
 	@echo "make install    build .venv: requirements + horovod 0.28.1 + this package (BLINK_SKIP_HOROVOD=1: no horovod)"
 	@echo "make test       run tests/{unit,parallel,integration} (timeout $(TEST_TIMEOUT) s per test)"
+	@echo "make reliability  run the fault tests and write docs/reliability.md from that run"
 	@echo "make demo       python -m blink_horovod.demo"
 	@echo "make paper      python -m blink_horovod.sim.paper"
 	@echo "make lint       ruff check"
@@ -37,6 +38,15 @@ test: install
 	echo "[test] $(PY) -m pytest $(TEST_DIRS) -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)"; \
 	rc=0; $(PY) -m pytest $(TEST_DIRS) -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "[test] pytest collected no tests (tests/ dirs empty)"; exit 0; fi; \
+	exit $$rc
+
+# The fault cases of issue 6; docs/reliability.md is rendered from this run's measurements.
+reliability: export OMPI_ALLOW_RUN_AS_ROOT := 1
+reliability: export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+reliability: install
+	@mkdir -p build; rc=0; \
+	RELIABILITY_JSON=build/reliability.json $(PY) -m pytest tests/integration -k reliability -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS) || rc=$$?; \
+	$(PY) benchmarks/reliability_report.py build/reliability.json -o docs/reliability.md; \
 	exit $$rc
 
 demo: install
