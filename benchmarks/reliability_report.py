@@ -55,6 +55,29 @@ listed per case); the defaults are 60 s and 600 s (FORMATS.md section 4).
 """
 
 
+# Sections in the order of issue 6's list; faults not named here follow in run order.
+ORDER = (
+    "mismatch across ranks",
+    "a rank dies",
+    "a rank fails",
+    "a rank stalls",
+    "corruption",
+    "elastic",
+    "resources",
+    "plan cache writer SIGKILLed",
+    "corrupt plan cache entry",
+    "concurrent plan cache writers",
+    "load",
+    "bad input",
+)
+
+# What issue 6 asks for that a run may not (yet) show: said in the document, not hidden.
+EXPECTED = {
+    "elastic": "Elastic (hvd.elastic.run reset with a different rank set, results equal to stock Horovod "
+               "elastic): no case in this run.",
+}
+
+
 def _seconds(value: Any) -> str:
     if value is None:
         return "-"
@@ -87,12 +110,14 @@ def render(doc: dict[str, Any]) -> str:
             failed_note=(" (not passed: " + ", ".join(f"`{t}`" for t in failed) + ")") if failed else "",
         )
     ]
-    groups: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+    found: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
     for r in records:
-        groups.setdefault(r.get("fault", "other"), []).append(r)
+        found.setdefault(r.get("fault", "other"), []).append(r)
+    groups = OrderedDict((f, found[f]) for f in ORDER if f in found)
+    groups.update((f, rows) for f, rows in found.items() if f not in groups)
     for fault, rows in groups.items():
         out.append(f"## {fault[:1].upper()}{fault[1:]}\n")
-        out.append("| case | how it is injected | behaviour seen | time to error | limits | outcome |")
+        out.append("| case | how it is injected | behaviour seen | time to error (or recovery) | limits | outcome |")
         out.append("| --- | --- | --- | --- | --- | --- |")
         for r in rows:
             limits = r.get("limits", "-")
@@ -110,9 +135,9 @@ def render(doc: dict[str, Any]) -> str:
                 ) + " |"
             )
         out.append("")
-    notes = doc.get("notes") or []
+    notes = [text for fault, text in EXPECTED.items() if fault not in found] + list(doc.get("notes") or [])
     if notes:
-        out.append("## Notes\n")
+        out.append("## Not shown by this run, and notes\n")
         out.extend(f"- {n}" for n in notes)
         out.append("")
     out.append("## Tests\n")

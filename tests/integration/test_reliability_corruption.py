@@ -65,7 +65,8 @@ def test_corrupted_chunk_is_counted_by_an_exact_check(ranks, record) -> None:
     record(
         case=f"one bit flipped in a chunk rank 1 of {N} received (allreduce, exact check by the ranks)",
         fault="corruption",
-        injected=f"BLINK_FAULT={fault}: XOR 1 into the first byte of the chunk after its 13th chunk operation",
+        injected=f"BLINK_FAULT={fault}: one high-order bit of the chunk's first element flipped after rank 1's "
+                 "13th chunk operation",
         behaviour=f"no error raised by the transport; the ranks' exact check counts {total} wrong element(s) "
                   f"({', '.join(f'rank {r}: {sum(w)}' for r, w in enumerate(per_rank))}) in collective(s) {hit}, "
                   f"every other collective exact",
