@@ -222,7 +222,7 @@ def _env_int(*names: str) -> int | None:
 
 def _start_horovod(job: _Job, cfg) -> None:
     try:
-        import horovod.torch as hvd  # noqa: F401 - stock Horovod's PyTorch binding
+        import horovod.torch as hvd
     except ImportError as exc:
         raise ConfigError(f"--impl: stock Horovod (horovod.torch) is not importable here: {exc}") from None
     size = _env_int("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE") or 1
@@ -386,16 +386,16 @@ def _blink_step(job: _Job, a: _Args, dtype: str, op: str, name: str) -> tuple[Ca
     if a.collective == "allreduce":
         if job.servers > 1:
             cross = _cross_allreduce(job, dtype, name + ".cross")
-            step = lambda x: hierarchical_allreduce(comm, x, op, cross, job.size, name=name)  # noqa: E731
+            step = lambda x: hierarchical_allreduce(comm, x, op, cross, job.size, name=name)
         else:
-            step = lambda x: comm.allreduce(x, op, name=name)  # noqa: E731
+            step = lambda x: comm.allreduce(x, op, name=name)
     else:
-        root_server, root_local = job.server_of(a.root)
+        _, root_local = job.server_of(a.root)
         if job.servers > 1:
             cross_b = _cross_broadcast(job, dtype, a.root, name + ".cross")
-            step = lambda x: hierarchical_broadcast(comm, x, root_local, cross_b, name=name)  # noqa: E731
+            step = lambda x: hierarchical_broadcast(comm, x, root_local, cross_b, name=name)
         else:
-            step = lambda x: comm.broadcast(x, root_local, name=name)  # noqa: E731
+            step = lambda x: comm.broadcast(x, root_local, name=name)
 
     def barrier() -> None:
         if job.servers > 1:
@@ -462,15 +462,26 @@ def _measure(job: _Job, a: _Args, impl: str, dtype: str, op: str, size: int) -> 
     ok = all(job.gather(ok))
     if not ok:
         return _Row(impl, size, count, dtype, op, None, None, None, None)
+    want = expected(dtype, job.size, count, op, a.collective, a.root) if a.check else None
+
+    def checked_run() -> int:
+        y = make_input(dtype, job.size, job.rank, count, op, a.collective, a.root)
+        step(y)
+        return count_wrong(y, want, dtype)
+
+    # Checked before timing (the first, cold programs) and after it (the tuned ones).
+    wrong = checked_run() if a.check else 0
     x = np.zeros(count, dt)
     for _ in range(a.warmup):
         step(x)
     if impl == "blink" and job.comm is not None:
         # MIAD settles the chunk size during the first iterations; finish that before timing.
-        kind = a.collective if job.servers == 1 else ("reduce_to_roots" if a.collective == "allreduce" else "broadcast")
+        if job.servers == 1 or a.collective == "broadcast":
+            kinds = [a.collective]
+        else:
+            kinds = ["reduce_to_roots", "broadcast_from_roots"]
         extra = 0
-        while extra < 40 and not all(job.gather(job.comm.tuning_converged(kind, x.nbytes if job.servers == 1
-                                                                              else x.nbytes))):
+        while extra < 40 and not all(job.gather(all(job.comm.tuning_converged(k, x.nbytes) for k in kinds))):
             step(x)
             extra += 1
     barrier()
@@ -478,11 +489,8 @@ def _measure(job: _Job, a: _Args, impl: str, dtype: str, op: str, size: int) -> 
     for _ in range(a.iters):
         step(x)
     elapsed = (time.perf_counter() - start) / a.iters
-    wrong = 0
     if a.check:
-        x = make_input(dtype, job.size, job.rank, count, op, a.collective, a.root)
-        step(x)
-        wrong = count_wrong(x, expected(dtype, job.size, count, op, a.collective, a.root), dtype)
+        wrong += checked_run()
     stats = job.gather((elapsed, wrong))
     slowest = max(t for t, _ in stats)
     wrong_total = sum(w for _, w in stats) if a.check else None
@@ -608,9 +616,13 @@ def run(args: argparse.Namespace) -> int:
                     for op in a.ops:
                         b = [r for r in rows if r.impl == "blink" and r.dtype == dtype and r.op == op and r.busbw]
                         h = [r for r in rows if r.impl == "horovod" and r.dtype == dtype and r.op == op and r.busbw]
+                        what = f"{dtype} {op}" if a.collective == "allreduce" else dtype
                         if b and h and b[-1].size == h[-1].size:
-                            print(f"# blink/horovod busbw at {b[-1].size} B, {dtype} {op}: "
+                            print(f"# blink/horovod busbw at {b[-1].size} B, {what}: "
                                   f"{b[-1].busbw / h[-1].busbw:.2f}x", file=out)
+                        if b and h and b[0].size == h[0].size:
+                            print(f"# latency at {b[0].size} B, {what}: blink {b[0].time_us:.1f} us, "
+                                  f"horovod {h[0].time_us:.1f} us", file=out)
             print("#", file=out, flush=True)
             if a.json_path:
                 _write_json(a.json_path, rows, a, job)

@@ -30,9 +30,8 @@ import hashlib
 import logging
 import os
 import threading
-import time
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -40,7 +39,7 @@ from ..config import BLINK_TOPOLOGY, Config, load_config
 from ..errors import BlinkInternalError, ConfigError
 from ..planner.plan import Plan
 from ..topology.model import Topology
-from .dtypes import check_op, dtype_name, finish_average, numpy_dtype
+from .dtypes import check_op, dtype_name, finish_average
 from .executor import Executor, Piece, Run
 from .rendezvous import Rendezvous
 from .transport import EAGER_BYTES, Transport, WaitContext
@@ -63,7 +62,9 @@ def segment_bounds(count: int, n: int, i: int) -> tuple[int, int]:
 
 def _default_planner(cfg: Config) -> Planner:
     def plan(topology: Topology, collective: str, root: int | None) -> Plan:
-        from ..planner.cache import cached_plan  # lazy: planning needs scipy/cvxpy only on a miss
+        from ..planner.cache import (
+            cached_plan,  # lazy: planning needs scipy/cvxpy only on a miss
+        )
 
         return cached_plan(topology, collective, root, None, cfg.plan_cache)
 

@@ -17,7 +17,10 @@ import numpy as np
 from ..errors import BlinkInternalError
 from .transport import (
     CONTROL_WORDS,
+    EAGER_BYTES,
     MAGIC,
+    META_BYTES,
+    REASON_BYTES,
     STATE_OPEN,
     W_DATA_PAGES,
     W_GEN,
@@ -26,9 +29,6 @@ from .transport import (
     W_PID,
     W_READY_GEN,
     W_STATE,
-    EAGER_BYTES,
-    META_BYTES,
-    REASON_BYTES,
     Transport,
     WaitContext,
 )

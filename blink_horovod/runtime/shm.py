@@ -44,10 +44,10 @@ from ..errors import BlinkInternalError, BlinkTimeoutError
 from .futex import futex_wait, futex_wake
 from .transport import (
     CONTROL_WORDS,
+    EAGER_BYTES,
     MAGIC,
     META_BYTES,
     REASON_BYTES,
-    EAGER_BYTES,
     STATE_OPEN,
     W_DATA_PAGES,
     W_GEN,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import HAVE_ML_DTYPES, finish_average, f32_to_bf16, numpy_dtype
+from .dtypes import HAVE_ML_DTYPES, f32_to_bf16, finish_average, numpy_dtype
 
 __all__ = ["exact_limit", "make_input", "expected", "count_wrong", "to_float64"]
 

@@ -22,10 +22,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "unit"))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
-from blink_horovod.config import load_config  # noqa: E402
-from blink_horovod.runtime.communicator import Communicator  # noqa: E402
-from blink_horovod.runtime.dtypes import DTYPES, numpy_dtype  # noqa: E402
-from blink_horovod.runtime.rendezvous import FileRendezvous  # noqa: E402
+from blink_horovod.config import load_config
+from blink_horovod.runtime.communicator import Communicator
+from blink_horovod.runtime.dtypes import DTYPES, numpy_dtype
+from blink_horovod.runtime.rendezvous import FileRendezvous
 
 
 def data(rank: int, count: int, dtype: str, seed: int = 0) -> np.ndarray:
@@ -139,7 +139,7 @@ def main() -> int:
         result = scenario(name, rank, n, comm, args)
         print(json.dumps(result), flush=True)
         return 0
-    except Exception as exc:  # noqa: BLE001 - reported to the parent test
+    except Exception as exc:
         print(json.dumps({"rank": rank, "error": type(exc).__name__, "message": str(exc),
                           "traceback": traceback.format_exc()}), flush=True)
         return 3

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 from test_runtime_support import rank_errors, run_loopback
 
-from blink_horovod.errors import BlinkInternalError, BlinkTimeoutError, ConfigError, MismatchError
+from blink_horovod.errors import (
+    BlinkInternalError,
+    BlinkTimeoutError,
+    ConfigError,
+    MismatchError,
+)
 from blink_horovod.runtime import metadata
 from blink_horovod.runtime.faults import FaultSpec, parse_fault
 

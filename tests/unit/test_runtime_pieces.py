@@ -126,7 +126,6 @@ def test_futex_wakes_a_sleeper_and_times_out() -> None:
     while words[0] == 0:
         futex_wait(addr, 0, 5.0)
     assert time.monotonic() - start < 2.0
-    del words
 
 
 # -- rendezvous ---------------------------------------------------------------------------

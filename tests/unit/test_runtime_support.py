@@ -85,7 +85,7 @@ def run_loopback(
             if not eager:
                 comm.eager_bytes = 0
             results[r] = body(r, comm)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:
             errors[r] = exc
             tracebacks[r] = traceback.format_exc()
         finally:
@@ -120,7 +120,7 @@ def rank_errors(n: int, body, **kw) -> list[BaseException | None]:
             if not kw.get("eager", False):
                 comm.eager_bytes = 0
             body(r, comm)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors[r] = exc
         finally:
             if comm is not None:
