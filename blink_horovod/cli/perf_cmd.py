@@ -569,6 +569,9 @@ def _write_json(path: str, rows: list[_Row], a: _Args, job: _Job) -> None:
         with os.fdopen(fd, "w") as fh:
             json.dump(out, fh, indent=2)
             fh.write("\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what a plain open() would give
         os.replace(tmp, path)  # atomic: readers never see half a file
     except BaseException:
         with contextlib.suppress(OSError):

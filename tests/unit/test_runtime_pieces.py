@@ -215,3 +215,22 @@ def test_fast_float16_reductions_are_bit_identical_to_numpy(op: str) -> None:
     s = want.copy()
     dtypes.finish_average(s, 3, "float16")
     np.testing.assert_array_equal(s.view(np.uint16)[ok], (want / np.float16(3)).view(np.uint16)[ok])
+
+
+# -- topology of the server -------------------------------------------------------------------
+def test_server_topology_from_blink_topology_or_cpu() -> None:
+    from blink_horovod.config import load_config
+    from blink_horovod.runtime.communicator import resolve_topology
+
+    assert resolve_topology(3, load_config({})).name == "cpu3"
+    assert resolve_topology(4, load_config({"BLINK_TOPOLOGY": "dgx1v:0,1,4,5"})).gpus == (0, 1, 4, 5)
+    with pytest.raises(ConfigError, match=r"BLINK_TOPOLOGY: 'dgx1v' has 8 GPUs but the server runs 4 ranks"):
+        resolve_topology(4, load_config({"BLINK_TOPOLOGY": "dgx1v"}))
+
+
+def test_cuda_device_is_refused_clearly() -> None:
+    from blink_horovod.config import load_config
+    from blink_horovod.runtime.communicator import Communicator
+
+    with pytest.raises(ConfigError, match="device: 'cuda' is not available"):
+        Communicator(0, 1, None, None, load_config({}), device="cuda")
