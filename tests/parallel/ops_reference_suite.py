@@ -1,0 +1,155 @@
+"""Run Horovod's own ``test/parallel/test_torch.py`` under ``horovodrun``, stock or with ``BLINK_ENABLE=1``.
+
+The reference suite is Horovod's (Apache-2.0, not part of this repository):
+put a copy of ``test/parallel/test_torch.py`` and its ``test/utils/common.py``
+helpers in a git-ignored folder (``.build/hvd-tests/{parallel,utils}``) and
+point ``--suite`` at the test file.
+
+The suite calls ``hvd.shutdown()`` / ``hvd.init()`` around every test; on a
+loaded machine stock Horovod 0.28.1 sometimes aborts inside ``hvd.init``
+(a C++ abort, exit 134) and takes the rest of the session with it.  So this
+driver runs the suite in one ``horovodrun`` job, reads each rank's per-test
+verdicts from horovodrun's ``--output-filename`` files, and when a job dies
+it records the test that was running as ``CRASH`` and starts a new job with
+the remaining tests.  A test passes only if it passed on every rank.
+
+    python tests/parallel/ops_reference_suite.py --suite .build/hvd-tests/parallel/test_torch.py -np 2 \\
+        -H localhost:2 [--blink] [--json out.json]
+
+Prints the counts (passed, failed, skipped, crashed) and, with ``--json``,
+writes every test's verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VERDICT = re.compile(r"(\S+\.py::\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+RANK_ORDER = {"ERROR": 4, "FAILED": 4, "CRASH": 5, "SKIPPED": 1, "XFAIL": 1, "PASSED": 0, "XPASS": 0}
+
+
+def _isolated(suite: Path) -> list[str]:
+    """pytest options that keep this project's pytest.ini out of the reference suite's run."""
+    return ["-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(suite.parent)]
+
+
+def collect(python: str, suite: Path, env: dict) -> list[str]:
+    p = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", *_isolated(suite), suite.name],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=suite.parent)
+    ids = [ln.strip() for ln in p.stdout.splitlines() if "::" in ln]
+    if not ids:
+        raise SystemExit(f"collected no tests from {suite}:\n{p.stdout}\n{p.stderr}")
+    return ids
+
+
+def run_job(args, ids: list[str], env: dict, outdir: Path) -> tuple[dict[str, str], bool]:
+    """One horovodrun job over ``ids``; returns (verdicts, crashed)."""
+    shutil.rmtree(outdir, ignore_errors=True)
+    cmd = [args.horovodrun, "-np", str(args.np), "-H", args.hosts, args.controller,
+           "--output-filename", str(outdir),
+           args.python, "-m", "pytest", "-v", *_isolated(Path(args.suite).resolve()), f"--timeout={args.test_timeout}",
+           *ids]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.job_timeout, env=env,
+                           cwd=Path(args.suite).parent)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        rc = 124
+    if os.environ.get("OPS_REF_DEBUG"):
+        print(f"[ref] rc={rc} cmd={' '.join(cmd[:12])} ...", file=sys.stderr)
+        if rc not in (0, 1) and "p" in locals():
+            print("\n".join((p.stdout + p.stderr).splitlines()[-15:]), file=sys.stderr)
+    per_rank: list[dict[str, str]] = []
+    for rank_dir in sorted(outdir.glob("rank.*")):
+        text = ""
+        for name in ("stdout", "stderr"):
+            f = rank_dir / name
+            if f.exists():
+                text += f.read_text(errors="replace")
+        # horovodrun prefixes every line with "[rank]<stdout>:"
+        per_rank.append({re.sub(r"^.*>:", "", m.group(1)).split("/")[-1]: m.group(2) for m in VERDICT.finditer(text)})
+    verdicts: dict[str, str] = {}
+    for tid in ids:
+        key = tid.split("/")[-1]
+        vs = [r.get(key) for r in per_rank]
+        if any(v is None for v in vs) or not vs:
+            continue
+        verdicts[tid] = max(vs, key=lambda v: RANK_ORDER.get(v, 4))
+    crashed = rc != 0 and len(verdicts) < len(ids) and not (rc == 1 and len(verdicts) == len(ids))
+    return verdicts, crashed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", required=True, help="path of Horovod's test_torch.py (a local copy)")
+    ap.add_argument("-np", type=int, default=2)
+    ap.add_argument("-H", "--hosts", default="localhost:2")
+    ap.add_argument("--controller", default="--gloo", choices=["--gloo", "--mpi"])
+    ap.add_argument("--blink", action="store_true", help="run with BLINK_ENABLE=1")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--horovodrun", default=os.path.join(os.path.dirname(sys.executable), "horovodrun"))
+    ap.add_argument("--test-timeout", type=int, default=300)
+    ap.add_argument("--job-timeout", type=int, default=3600)
+    ap.add_argument("-k", default="", help="only tests whose id contains this")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
+    env["PATH"] = os.path.dirname(args.python) + os.pathsep + env.get("PATH", "")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    if args.blink:
+        env["BLINK_ENABLE"] = "1"
+        for k in ("BLINK_PLAN_CACHE", "BLINK_TIMEOUT_SECONDS", "BLINK_LOCAL_SIZE", "BLINK_LOG_LEVEL"):
+            if k in os.environ:
+                env[k] = os.environ[k]
+    suite = Path(args.suite).resolve()
+    ids = [t for t in collect(args.python, suite, env) if args.k in t]
+    results: dict[str, str] = {}
+    remaining = list(ids)
+    jobs = 0
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="hvdref-") as tmp:
+        while remaining:
+            jobs += 1
+            verdicts, crashed = run_job(args, remaining, env, Path(tmp) / f"job{jobs}")
+            results.update(verdicts)
+            done = [t for t in remaining if t in verdicts]
+            left = [t for t in remaining if t not in verdicts]
+            if not left:
+                break
+            if not crashed and not done:
+                for t in left:
+                    results[t] = "CRASH"
+                break
+            # the first test without a verdict was running when the job died
+            results[left[0]] = "CRASH"
+            print(f"[ref] job {jobs}: {left[0]} crashed the job; {len(left) - 1} tests left", file=sys.stderr)
+            remaining = left[1:]
+    counts: dict[str, int] = {}
+    for t in ids:
+        v = results.get(t, "CRASH")
+        v = {"ERROR": "FAILED", "XFAIL": "SKIPPED", "XPASS": "PASSED"}.get(v, v)
+        counts[v] = counts.get(v, 0) + 1
+    mode = "BLINK_ENABLE=1" if args.blink else "stock"
+    print(f"[ref] {mode} -np {args.np} -H {args.hosts} {args.controller}: "
+          f"{counts.get('PASSED', 0)} passed, {counts.get('FAILED', 0)} failed, {counts.get('SKIPPED', 0)} skipped, "
+          f"{counts.get('CRASH', 0)} crashed ({jobs} job(s), {time.time() - t0:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"mode": mode, "np": args.np, "hosts": args.hosts,
+                                               "controller": args.controller, "counts": counts,
+                                               "tests": {t: results.get(t, "CRASH") for t in ids}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
