@@ -109,7 +109,9 @@ def predict_time(plan: Plan, topology: Topology, size_bytes: int, chunk_bytes: i
     Steady state: every lane (one per incoming link of a rank, as the compiler
     assigns them) moves its bytes at its route's bottleneck and pays the fixed
     cost of each of its ops; every resource moves its bytes at its capacity.
-    Fill and drain: the deepest tree's hops, one chunk each.
+    Fill and drain: the deepest tree's hops, each a *step* of the busiest
+    lane, which moves one chunk of every tree crossing it per step (the
+    compiler orders a lane's ops by pipeline step).
     """
     kind = kind or plan.collective
     rmap = resources or ResourceMap(topology, params)
@@ -130,19 +132,20 @@ def predict_time(plan: Plan, topology: Topology, size_bytes: int, chunk_bytes: i
             if kind in ("allreduce", "broadcast"):
                 moves.append((p, c, L_copy + (params.post_s if c in inner else 0.0)))
             for src, dst, lat in moves:
-                lane = lanes.setdefault((dst, src, t.channel), [0.0, 0.0, math.inf])
+                lane = lanes.setdefault((dst, src, t.channel), [0.0, 0.0, math.inf, 0.0])
                 route = rmap.route(src, dst, t.channel)
+                bottleneck = min(rmap.capacity[r] for r in route)
                 lane[0] += b
                 lane[1] += nch * lat
-                lane[2] = min(lane[2], min(rmap.capacity[r] for r in route))
+                lane[2] = min(lane[2], bottleneck)
+                lane[3] += min(chunk_bytes, b) / bottleneck + lat
                 for r in route:
                     res_bytes[r] = res_bytes.get(r, 0.0) + b
     if not lanes:
         return params.launch_s
     steady = max(max(v[0] / v[2] + v[1] for v in lanes.values()), max(b / rmap.capacity[r] for r, b in res_bytes.items()))
-    hop_bw = sorted(v[2] for v in lanes.values())[len(lanes) // 2]
-    hops = _tree_hops(plan, kind)
-    fill = max(0, hops - 1) * (min(chunk_bytes, size_bytes) / hop_bw + L_copy + params.post_s)
+    step = max(v[3] for v in lanes.values())
+    fill = max(0, _tree_hops(plan, kind) - 1) * step
     # The PCIe channel switch does not depend on the chunk size: left out.
     return params.launch_s + steady + fill
 
@@ -185,22 +188,63 @@ def choose_chunk_bytes(plan: Plan, topology: Topology, size_bytes: int, params: 
     return best[1]
 
 
-def simulate_plan(plan: Plan, topology: Topology, size_bytes: int, chunk_bytes: int | None = None, params: SimParams = DEFAULT_PARAMS, kind: str | None = None) -> BlinkEstimate:
-    """Compile ``plan`` for ``size_bytes`` and simulate it on ``topology``."""
+def _simulate_chunk(plan: Plan, topology: Topology, size_bytes: int, chunk_bytes: int, params: SimParams, kind: str, lanes: str | None = None) -> BlinkEstimate:
     from ..schedule import compile_program
 
+    count = -(-size_bytes // params.itemsize)
+    extra = {} if lanes is None else {"lanes": lanes}
+    program = compile_program(plan, count, max(1, chunk_bytes // params.itemsize), kind, **extra)
+    result = simulate_program(program, topology, params, gpus=plan.gpus)
+    bound = size_bytes / (plan.optimum_gbps * GB) if plan.optimum_gbps > 0 else 0.0
+    if kind != plan.collective:
+        bound = 0.0  # the optimum is the whole collective's, not one stage's
+    return BlinkEstimate(result.time_s, bound, plan, chunk_bytes, result)
+
+
+def simulate_plan(
+    plan: Plan,
+    topology: Topology,
+    size_bytes: int,
+    chunk_bytes: int | None = None,
+    params: SimParams = DEFAULT_PARAMS,
+    kind: str | None = None,
+    search: int = 0,
+    lanes: str | None = None,
+) -> BlinkEstimate:
+    """Compile ``plan`` for ``size_bytes`` and simulate it on ``topology``.
+
+    Without ``chunk_bytes`` the chunk size starts at :func:`choose_chunk_bytes`
+    and, with ``search > 0``, moves by factors of two while the *simulated*
+    time improves (at most ``search`` steps each way): the estimate does not see
+    every stall of the compiled program, and Blink tunes its chunk size on the
+    running collective too (section 4).  ``lanes`` is passed to
+    :func:`~blink_horovod.schedule.compile_program` (its lane policy; default
+    the compiler's own).
+    """
     if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes < 0:
         raise ConfigError(f"size: expected a whole number of bytes >= 0, got {size_bytes!r}")
     kind = kind or plan.collective
-    if chunk_bytes is None:
-        chunk_bytes = choose_chunk_bytes(plan, topology, size_bytes, params, kind)
-    if chunk_bytes < params.itemsize:
-        raise ConfigError(f"chunk: must be at least one element ({params.itemsize} bytes), got {chunk_bytes}")
-    count = -(-size_bytes // params.itemsize)
-    program = compile_program(plan, count, max(1, chunk_bytes // params.itemsize), kind)
-    result = simulate_program(program, topology, params, gpus=plan.gpus)
-    bound = size_bytes / (plan.optimum_gbps * GB) if plan.optimum_gbps > 0 else 0.0
-    return BlinkEstimate(result.time_s, bound, plan, chunk_bytes, result)
+    if chunk_bytes is not None:
+        if chunk_bytes < params.itemsize:
+            raise ConfigError(f"chunk: must be at least one element ({params.itemsize} bytes), got {chunk_bytes}")
+        return _simulate_chunk(plan, topology, size_bytes, chunk_bytes, params, kind, lanes)
+    start = choose_chunk_bytes(plan, topology, size_bytes, params, kind)
+    best = _simulate_chunk(plan, topology, size_bytes, start, params, kind, lanes)
+    if search <= 0 or size_bytes <= MIN_CHUNK:
+        return best
+    for direction in (0.5, 2.0):
+        chunk = start
+        for _ in range(search):
+            chunk = int(chunk * direction)
+            if chunk < MIN_CHUNK or chunk > max(size_bytes, MIN_CHUNK) or _op_count(plan, size_bytes, chunk, kind) > MAX_OPS:
+                break
+            est = _simulate_chunk(plan, topology, size_bytes, chunk, params, kind, lanes)
+            if est.time_s >= best.time_s:
+                break
+            best = est
+        if best.chunk_bytes != start:
+            break  # improved going this way: no need to try the other
+    return best
 
 
 def simulate_blink(

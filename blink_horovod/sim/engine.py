@@ -40,11 +40,12 @@ _EPS_T = 1e-13  # events this close (seconds) are one instant
 class TaskGraph:
     """Tasks to simulate; build with :meth:`add` and :meth:`signal`."""
 
-    __slots__ = ("deps", "latency", "nbytes", "nsignals", "raises", "resources", "tags", "waits")
+    __slots__ = ("deps", "latency", "nbytes", "nsignals", "raises", "resources", "tags", "tail", "waits")
 
     def __init__(self) -> None:
         self.latency: list[float] = []
         self.nbytes: list[float] = []
+        self.tail: list[float] = []
         self.resources: list[tuple[int, ...]] = []
         self.deps: list[tuple[int, ...]] = []
         self.waits: list[tuple[int, ...]] = []
@@ -69,6 +70,7 @@ class TaskGraph:
         waits: Sequence[int] = (),
         raises: int = -1,
         tag: object = None,
+        tail: float = 0.0,
     ) -> int:
         """Add a task; returns its id.
 
@@ -81,15 +83,20 @@ class TaskGraph:
         waits : signal ids that must be set first.
         raises : signal id this task sets when it completes (-1: none).
         tag : anything, returned in reports (e.g. ``(rank, op_index)``).
+        tail : fixed seconds after the bytes moved, before the task completes
+            (e.g. a flag post that follows a copy on the same stream).
         """
         if latency < 0 or not math.isfinite(latency):
             raise ScheduleError(f"task latency must be finite and >= 0, got {latency!r}")
         if nbytes < 0 or not math.isfinite(nbytes):
             raise ScheduleError(f"task bytes must be finite and >= 0, got {nbytes!r}")
+        if tail < 0 or not math.isfinite(tail):
+            raise ScheduleError(f"task tail latency must be finite and >= 0, got {tail!r}")
         if nbytes > 0 and not resources:
             raise ScheduleError("a task that moves bytes needs at least one resource")
         self.latency.append(float(latency))
         self.nbytes.append(float(nbytes))
+        self.tail.append(float(tail))
         self.resources.append(tuple(resources))
         self.deps.append(tuple(deps))
         self.waits.append(tuple(waits))
@@ -153,49 +160,63 @@ def run(graph: TaskGraph, capacity: Sequence[float], t0: float = 0.0) -> EngineR
     rate = [0.0] * n
     tlast = [0.0] * n
     ver = [0] * n
-    heap: list[tuple[float, int, int]] = []  # (time, version or -1 for a latency expiry, task)
+    heap: list[tuple[float, int, int]] = []  # (time, flow version, or -1 head / -2 tail latency over, task)
     events = 0
     done = 0
     push = heapq.heappush
     pop = heapq.heappop
 
-    # Work of one instant, as task*3 + phase: 0 ready, 1 latency over, 2 finished.
-    # Dirty resources get their flows' rates recomputed once after the instant.
-    now: list[int] = [3 * i for i in range(n) if npred[i] == 0]
+    tail = graph.tail
+    # Work of one instant: tasks that became ready, whose head latency is over,
+    # whose bytes have moved, that are finished.  Dirty resources get their
+    # flows' rates recomputed once after the instant's work.
+    ready: list[int] = [i for i in range(n) if npred[i] == 0]
+    moving: list[int] = []
+    moved: list[int] = []
+    over: list[int] = []
     dirty: set[int] = set()
     t = t0
     while True:
-        while now:
-            code = now.pop()
-            i, phase = divmod(code, 3)
-            if phase == 0:
+        while ready or moving or moved or over:
+            while ready:
+                i = ready.pop()
                 if lat[i] > 0.0:
                     push(heap, (t + lat[i], -1, i))
-                    continue
-                phase = 1
-            if phase == 1 and nbytes[i] > 0.0:
-                rem[i] = nbytes[i]
-                rate[i] = 0.0
-                tlast[i] = t
-                for r in res[i]:
-                    active[r].add(i)
-                    dirty.add(r)
-                continue
-            # finished
-            finish[i] = t
-            finished[i] = 1
-            done += 1
-            for s in succ[i]:
-                npred[s] -= 1
-                if npred[s] == 0:
-                    now.append(3 * s)
-            sig = raises[i]
-            if sig >= 0 and not raised[sig]:
-                raised[sig] = 1
-                for s in waiters[sig]:
+                else:
+                    moving.append(i)
+            while moving:
+                i = moving.pop()
+                if nbytes[i] > 0.0:
+                    rem[i] = nbytes[i]
+                    rate[i] = 0.0
+                    tlast[i] = t
+                    for r in res[i]:
+                        active[r].add(i)
+                        dirty.add(r)
+                else:
+                    moved.append(i)
+            while moved:
+                i = moved.pop()
+                if tail[i] > 0.0:
+                    push(heap, (t + tail[i], -2, i))
+                else:
+                    over.append(i)
+            while over:
+                i = over.pop()
+                finish[i] = t
+                finished[i] = 1
+                done += 1
+                for s in succ[i]:
                     npred[s] -= 1
                     if npred[s] == 0:
-                        now.append(3 * s)
+                        ready.append(s)
+                sig = raises[i]
+                if sig >= 0 and not raised[sig]:
+                    raised[sig] = 1
+                    for s in waiters[sig]:
+                        npred[s] -= 1
+                        if npred[s] == 0:
+                            ready.append(s)
         if dirty:
             if len(dirty) == 1:
                 flows = active[next(iter(dirty))]
@@ -214,7 +235,7 @@ def run(graph: TaskGraph, capacity: Sequence[float], t0: float = 0.0) -> EngineR
                 if new != old:
                     if old > 0.0:
                         left = rem[f] - old * (t - tlast[f])
-                        rem[f] = max(0.0, left)
+                        rem[f] = left if left > 0.0 else 0.0  # noqa: FURB136 (hot loop: no call)
                     tlast[f] = t
                     rate[f] = new
                     v = ver[f] + 1
@@ -228,15 +249,17 @@ def run(graph: TaskGraph, capacity: Sequence[float], t0: float = 0.0) -> EngineR
         while heap and heap[0][0] <= horizon:
             _, v, i = pop(heap)
             events += 1
-            if v < 0:
-                now.append(3 * i + 1)
+            if v == -1:
+                moving.append(i)
+            elif v == -2:
+                over.append(i)
             elif v == ver[i] and not finished[i]:
                 for r in res[i]:
                     active[r].discard(i)
                     dirty.add(r)
                 rem[i] = 0.0
                 ver[i] = v + 1  # no second completion
-                now.append(3 * i + 2)
+                moved.append(i)
     if done != n:
         stuck = [graph.tags[i] for i in range(n) if not finished[i]]
         raise ScheduleError(

@@ -274,9 +274,18 @@ def pcie_rings(topology: Topology, params: SimParams = DEFAULT_PARAMS) -> RingSe
     return RingSet((tuple(gpus),), "pcie", speed)
 
 
+_RING_CACHE: dict[tuple, RingSet] = {}
+
+
 def nccl_rings(topology: Topology, params: SimParams = DEFAULT_PARAMS) -> RingSet:
-    """NVLink rings when NVLink forms any ring over the allocation, else the PCIe ring."""
-    return nvlink_rings(topology, params) or pcie_rings(topology, params)
+    """NVLink rings when NVLink forms any ring over the allocation, else the PCIe ring (memoized)."""
+    key = (topology, params.nccl.max_channels, params.default_pcie_gbps)
+    hit = _RING_CACHE.get(key)
+    if hit is None:
+        if len(_RING_CACHE) > 4096:
+            _RING_CACHE.clear()
+        hit = _RING_CACHE[key] = nvlink_rings(topology, params) or pcie_rings(topology, params)
+    return hit
 
 
 def dbt_depth(n: int) -> int:
