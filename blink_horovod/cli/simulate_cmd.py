@@ -5,7 +5,7 @@
     blink simulate --topology NAME|FILE [--allocations all|0,1,4,5] --collective C
                    [--size 1G | -b MIN -e MAX -f FACTOR] [--channels ...]
                    [--json FILE] [--plot FILE.png]
-                   [--chunk SIZE] [--jobs N] [--no-progress]
+                   [--chunk SIZE] [--jobs N] [--lanes root|link|tree] [--no-progress]
 
 ``--allocations all`` sweeps every GPU subset of 3 GPUs or more; a list takes
 one allocation (``0,1,4,5``) or several separated by ``;``.  Without it the
@@ -20,7 +20,8 @@ progress and notes go to stderr.  ``--json`` writes ``{"rows": [...],
 "geomean_speedup": X}`` with rows ``{"gpus", "collective", "size_bytes",
 "blink_s", "nccl_s", "speedup", "trees", ...}``; ``--plot`` a PNG.
 Extensions (optional): ``--chunk`` fixes the chunk size (default: chosen per
-allocation, sim/blink.py), ``--jobs`` runs the sweep on several processes.
+allocation, sim/blink.py), ``--jobs`` runs the sweep on several processes,
+``--lanes`` picks the schedule compiler's lane policy.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of the speedups")
     p.add_argument("--chunk", metavar="SIZE", help="fixed chunk size for Blink (default: chosen per allocation)")
     p.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes for a sweep (default 1)")
+    p.add_argument("--lanes", choices=("root", "link", "tree"),
+                   help="the schedule compiler's lane policy (default: the compiler's own)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
@@ -189,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         chunk_bytes=chunk,
         progress=not args.no_progress,
         jobs=args.jobs,
+        lanes=args.lanes,
     )
     table_out = sys.stderr if args.json == "-" else sys.stdout
     if result.rows:

@@ -127,6 +127,7 @@ def compare(
     chunk_bytes: int | None = None,
     plan: Plan | None = None,
     rings: RingSet | None = None,
+    lanes: str | None = None,
 ) -> Row:
     """Simulate Blink and the NCCL model for one collective on ``topology`` (an allocation)."""
     if collective not in COLLECTIVES:
@@ -134,7 +135,7 @@ def compare(
     if plan is None:
         root = topology.gpus[0] if collective == "broadcast" else None
         plan = plan_for(topology, collective, root=root, channels=channels)
-    est = simulate_plan(plan, topology, size_bytes, chunk_bytes, params)
+    est = simulate_plan(plan, topology, size_bytes, chunk_bytes, params, lanes=lanes)
     nc = nccl_estimate(topology, collective, size_bytes, params, rings=rings)
     speedup = nc.time_s / est.time_s if est.time_s > 0 else math.inf
     return Row(
@@ -157,12 +158,12 @@ def compare(
 
 def _job(args: tuple) -> list[Row]:
     """One (allocation, collective) with all sizes: the unit of work of a sweep."""
-    topology, collective, sizes, channels, params, chunk_bytes = args
+    topology, collective, sizes, channels, params, chunk_bytes, lanes = args
     root = topology.gpus[0] if collective == "broadcast" else None
     plan = plan_for(topology, collective, root=root, channels=channels)
     rings = nccl_rings(topology, params)
     return [
-        compare(topology, collective, s, channels=channels, params=params, chunk_bytes=chunk_bytes, plan=plan, rings=rings)
+        compare(topology, collective, s, channels=channels, params=params, chunk_bytes=chunk_bytes, plan=plan, rings=rings, lanes=lanes)
         for s in sizes
     ]
 
@@ -179,6 +180,7 @@ def sweep(
     progress: bool = True,
     jobs: int = 1,
     note: Callable[[str], None] | None = None,
+    lanes: str | None = None,
 ) -> SweepResult:
     """Rows for every allocation x collective x size.
 
@@ -190,6 +192,7 @@ def sweep(
     channels : as ``blink plan --channels``; without ``pcie`` (``["nvlink"]``),
         allocations NVLink does not connect are skipped, with a ``note``.
     jobs : worker processes (1: in this process).
+    lanes : the compiler's lane policy (default: its own default).
     """
     for c in collectives:
         if c not in COLLECTIVES:
@@ -207,7 +210,7 @@ def sweep(
             skipped.append(a)
             continue
         for c in collectives:
-            work.append((sub, c, list(sizes), None if channels is None else list(channels), params, chunk_bytes))
+            work.append((sub, c, list(sizes), None if channels is None else list(channels), params, chunk_bytes, lanes))
     if skipped:
         shown = ", ".join(",".join(map(str, a)) for a in skipped[:8])
         more = f" and {len(skipped) - 8} more" if len(skipped) > 8 else ""
