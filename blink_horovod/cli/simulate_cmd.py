@@ -5,7 +5,7 @@
     blink simulate --topology NAME|FILE [--allocations all|0,1,4,5] --collective C
                    [--size 1G | -b MIN -e MAX -f FACTOR] [--channels ...]
                    [--json FILE] [--plot FILE.png]
-                   [--chunk SIZE] [--jobs N] [--lanes root|link|tree] [--no-progress]
+                   [--chunk SIZE|miad] [--jobs N] [--lanes root|link|tree] [--no-progress]
 
 ``--allocations all`` sweeps every GPU subset of 3 GPUs or more; a list takes
 one allocation (``0,1,4,5``) or several separated by ``;``.  Without it the
@@ -19,7 +19,8 @@ A table goes to stdout (to stderr when ``--json -`` puts the JSON on stdout);
 progress and notes go to stderr.  ``--json`` writes ``{"rows": [...],
 "geomean_speedup": X}`` with rows ``{"gpus", "collective", "size_bytes",
 "blink_s", "nccl_s", "speedup", "trees", ...}``; ``--plot`` a PNG.
-Extensions (optional): ``--chunk`` fixes the chunk size (default: chosen per
+Extensions (optional): ``--chunk`` fixes the chunk size or, as ``miad``, tunes it
+on the simulator with the MIAD tuner (default: chosen per
 allocation, sim/blink.py), ``--jobs`` runs the sweep on several processes,
 ``--lanes`` picks the schedule compiler's lane policy.
 """
@@ -65,7 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="channels Blink plans on (default: every channel the topology has)")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON ('-' for stdout)")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of the speedups")
-    p.add_argument("--chunk", metavar="SIZE", help="fixed chunk size for Blink (default: chosen per allocation)")
+    p.add_argument("--chunk", metavar="SIZE|miad",
+                   help="fixed chunk size for Blink, or 'miad' to tune it on the simulator (default: chosen per allocation)")
     p.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes for a sweep (default 1)")
     p.add_argument("--lanes", choices=("root", "link", "tree"),
                    help="the schedule compiler's lane policy (default: the compiler's own)")
@@ -166,8 +168,10 @@ def run(args: argparse.Namespace) -> int:
     channels = parse_channels(args.channels)
     if channels is not None and "pcie" in channels and topo.pcie is None and not topo.has_kind("pcie"):
         raise ConfigError(f"--channels: topology {topo.name!r} has no pcie channel, got {args.channels!r}")
-    chunk = None
-    if args.chunk is not None:
+    chunk: int | str | None = None
+    if args.chunk is not None and args.chunk.strip().lower() == "miad":
+        chunk = "miad"
+    elif args.chunk is not None:
         chunk = parse_size(args.chunk, "--chunk")
         if chunk < 4:
             raise ConfigError(f"--chunk: must be at least 4 bytes (one element), got {args.chunk!r}")

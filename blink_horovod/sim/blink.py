@@ -201,11 +201,44 @@ def _simulate_chunk(plan: Plan, topology: Topology, size_bytes: int, chunk_bytes
     return BlinkEstimate(result.time_s, bound, plan, chunk_bytes, result)
 
 
+def tune_chunk_miad(
+    plan: Plan,
+    topology: Topology,
+    size_bytes: int,
+    params: SimParams = DEFAULT_PARAMS,
+    kind: str | None = None,
+    lanes: str | None = None,
+    start_bytes: int = 1 << 20,
+    factor: float = 2.0,
+) -> tuple[BlinkEstimate, list[tuple[int, float]]]:
+    """MIAD (blink_horovod.schedule.miad) measuring the simulator: the best estimate and MIAD's walk.
+
+    The walk is ``[(chunk_bytes, GB/s), ...]`` in the order MIAD measured them
+    (Blink section 4: multiplicative increase while the throughput rises,
+    additive decrease after it falls; the paper starts at 1 MB with 2x steps).
+    """
+    from ..schedule.miad import tune
+
+    kind = kind or plan.collective
+    runs: dict[int, BlinkEstimate] = {}
+
+    def measure(chunk: int) -> float:
+        if chunk not in runs:
+            runs[chunk] = _simulate_chunk(plan, topology, size_bytes, chunk, params, kind, lanes)
+        return size_bytes / runs[chunk].time_s / GB
+
+    hi = max(MIN_CHUNK, size_bytes)
+    best, history = tune(measure, start_bytes=min(start_bytes, hi), factor=factor, decrease_bytes=min(start_bytes, hi),
+                         min_bytes=min(MIN_CHUNK, hi), max_bytes=hi, align_bytes=params.itemsize)
+    measure(best)
+    return runs[best], history
+
+
 def simulate_plan(
     plan: Plan,
     topology: Topology,
     size_bytes: int,
-    chunk_bytes: int | None = None,
+    chunk_bytes: int | str | None = None,
     params: SimParams = DEFAULT_PARAMS,
     kind: str | None = None,
     search: int = 0,
@@ -213,7 +246,8 @@ def simulate_plan(
 ) -> BlinkEstimate:
     """Compile ``plan`` for ``size_bytes`` and simulate it on ``topology``.
 
-    Without ``chunk_bytes`` the chunk size starts at :func:`choose_chunk_bytes`
+    ``chunk_bytes="miad"`` lets MIAD find it on the simulator
+    (:func:`tune_chunk_miad`).  Without ``chunk_bytes`` the chunk size starts at :func:`choose_chunk_bytes`
     and, with ``search > 0``, moves by factors of two while the *simulated*
     time improves (at most ``search`` steps each way): the estimate does not see
     every stall of the compiled program, and Blink tunes its chunk size on the
@@ -224,7 +258,11 @@ def simulate_plan(
     if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes < 0:
         raise ConfigError(f"size: expected a whole number of bytes >= 0, got {size_bytes!r}")
     kind = kind or plan.collective
+    if chunk_bytes == "miad":
+        return tune_chunk_miad(plan, topology, size_bytes, params, kind, lanes)[0]
     if chunk_bytes is not None:
+        if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool):
+            raise ConfigError(f"chunk: expected a number of bytes or 'miad', got {chunk_bytes!r}")
         if chunk_bytes < params.itemsize:
             raise ConfigError(f"chunk: must be at least one element ({params.itemsize} bytes), got {chunk_bytes}")
         return _simulate_chunk(plan, topology, size_bytes, chunk_bytes, params, kind, lanes)

@@ -111,3 +111,17 @@ def test_zero_cost_params_give_the_bandwidth_bound_for_a_single_tree():
     chunks = GiB // 2**20
     # 0 -> 1 is one NVLink (25 GB/s), 1 -> 2 two (50 GB/s): the last chunk's second hop takes half as long.
     assert est.time_s == pytest.approx(chunks * 2**20 / 25e9 + 2**20 / 50e9)
+
+
+def test_miad_on_the_simulator_walks_from_1mb_and_keeps_the_best():
+    from blink_horovod.sim.blink import tune_chunk_miad
+
+    topo = resolve("dgx1v:0,1,2")
+    plan = chain_plan([0, 1, 2], 25.0)
+    best, walk = tune_chunk_miad(plan, topo, 256 * 2**20)
+    assert walk[0][0] == 2**20 and walk[1][0] == 2**21  # 1 MB, then 2x
+    assert 3 <= len(walk) <= 12
+    assert best.chunk_bytes == max(walk, key=lambda w: w[1])[0]
+    assert best.time_s == pytest.approx(256 * 2**20 / (max(w[1] for w in walk) * 1e9))
+    # Fixed costs make 1 MB chunks slower than MIAD's pick.
+    assert best.time_s < simulate_plan(plan, topo, 256 * 2**20, 2**20).time_s
