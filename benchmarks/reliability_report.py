@@ -40,7 +40,8 @@ Every case runs under a hard timeout (pytest-timeout, and a wall-clock limit
 on each group of rank processes after which every rank is SIGKILLed and the
 case fails as a hang), and after every case that starts ranks the harness
 checks that no `blink-*` entry of those ranks is left in `/dev/shm`, crashed
-or not. Ranks are processes the test starts itself (meeting through the
+or not, and that the job's rendezvous folder is empty (except where every
+rank was killed). Ranks are processes the test starts itself (meeting through the
 runtime's `FileRendezvous`), so no launcher kills them first: what ends a
 faulty job is Blink's own detection.
 

@@ -22,9 +22,12 @@ Worker events
     ``@@reliability {"kind": ..., "rank": r, "t": time.time(), ...}`` comes
     back as :attr:`RankResult.events`.  Times are wall-clock ``time.time()``
     of this host, so a test can subtract the instant it killed a rank.
-``/dev/shm`` check
+``/dev/shm`` and rendezvous check
     After every test that used ``ranks``, no ``blink-*`` segment created by
-    one of its ranks may remain (issue 6, Resources), crashed or not.
+    one of its ranks may remain (issue 6, Resources), crashed or not, and the
+    job's rendezvous folder must be empty or gone (unless every rank was
+    killed: then nobody is left to remove the files).  Workers close their
+    communicator and rendezvous on the way out, as a careful program does.
 ``record`` (fixture)
     ``record(case=..., fault=..., injected=..., behaviour=..., seconds=...)``
     adds a row to the reliability report: when ``RELIABILITY_JSON`` names a
