@@ -98,7 +98,7 @@ _ERROR_KINDS: tuple[type[BlinkError], ...] = (BlinkError, BlinkInternalError, Mi
 # of _SLICE seconds, after each of which the peers are checked for death,
 # abort or close.
 _SPIN = 64
-_YIELDS = int(os.environ.get("BLINK_TEST_YIELDS", "32"))
+_YIELDS = 32
 _SLICE = 0.05
 
 

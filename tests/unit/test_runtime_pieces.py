@@ -234,3 +234,43 @@ def test_cuda_device_is_refused_clearly() -> None:
 
     with pytest.raises(ConfigError, match="device: 'cuda' is not available"):
         Communicator(0, 1, None, None, load_config({}), device="cuda")
+
+
+# -- the shared-memory transport, ranks as threads of this process ----------------------------
+@pytest.mark.parametrize("use_futex", [True, False])
+def test_shm_transport_collectives_in_threads(tmp_path, monkeypatch, use_futex: bool) -> None:
+    from blink_horovod.config import load_config
+    from blink_horovod.runtime import futex
+    from blink_horovod.runtime.communicator import Communicator
+    from blink_horovod.runtime.shm import linked_segments, shm_dir
+
+    if not use_futex:
+        monkeypatch.setattr(futex, "HAVE_FUTEX", False)  # the portable sleep-poll fallback
+    n, job = 3, f"unit{os.getpid()}{int(use_futex)}"
+    rdv_dir = str(tmp_path / "rdv")
+    out: list = [None] * n
+
+    def rank(r: int) -> None:
+        rdv = FileRendezvous(rdv_dir, r, n, timeout=20, job_id=job)
+        comm = Communicator(r, n, None, rdv, load_config({"BLINK_CHUNK_BYTES": "16K"}), planner=hand_planner("star"))
+        try:
+            comm.eager_bytes = 0
+            x = np.full(100_000, r + 1, np.float32)
+            comm.allreduce(x)
+            y = np.arange(50, dtype=np.int64) * (r + 1)
+            comm.broadcast(y, 1)
+            out[r] = (x, y)
+        finally:
+            comm.close()
+            rdv.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(o is not None for o in out)
+    for x, y in out:
+        assert (x == 6).all() and (y == np.arange(50) * 2).all()
+    assert not [f for f in os.listdir(shm_dir()) if f.startswith(f"blink-{job}-")]
+    assert not [p for p in linked_segments() if job in p]
