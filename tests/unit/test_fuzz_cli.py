@@ -14,11 +14,13 @@ commands are written by another engineer).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,6 +74,7 @@ def assert_clean_outcome(argv: list[str], rc: int, stdout: str, stderr: str) -> 
 # -- argument strategies ---------------------------------------------------------------
 
 _tmp = tempfile.mkdtemp(prefix="blink-fuzz-cli-")
+atexit.register(shutil.rmtree, _tmp, True)  # fuzzed files and outputs go with the test process
 
 topology_texts = st.one_of(
     st.sampled_from(

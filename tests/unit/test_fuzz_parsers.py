@@ -15,9 +15,11 @@ validation code that arbitrary values never get past.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -266,6 +268,12 @@ machine_names = st.one_of(
 )
 
 
+# Fuzzed topology files live here; hypothesis may draw a file for an example it then
+# discards, so the folder (not each test) is what gets removed, when the process ends.
+_FILES = tempfile.mkdtemp(prefix="blink-fuzz-files-")
+atexit.register(shutil.rmtree, _FILES, True)
+
+
 @st.composite
 def topology_specs(draw: st.DrawFn) -> str:
     kind = draw(st.sampled_from(["name", "alloc", "file", "path", "junk"]))
@@ -276,7 +284,7 @@ def topology_specs(draw: st.DrawFn) -> str:
     if kind == "file":
         # A real file with fuzzed content (valid topology, mutated, binary or junk).
         content = draw(st.one_of(_texts(topology_docs).map(str.encode), st.binary(max_size=64)))
-        fd, path = tempfile.mkstemp(prefix="blink-fuzz-", suffix=".json")
+        fd, path = tempfile.mkstemp(prefix="blink-fuzz-", suffix=".json", dir=_FILES)
         with os.fdopen(fd, "wb") as f:
             f.write(content)
         suffix = draw(st.sampled_from(["", "", ":0,1", ":x"]))
