@@ -90,6 +90,24 @@ def blink_shm_entries() -> dict[str, int]:
     return out
 
 
+def rendezvous_leftovers(pids: set[int]) -> list[str]:
+    """Files in ``/tmp/blink-rdv-*`` (the runtime's per-job rendezvous folders) written by ``pids``."""
+    import pickle
+    import tempfile
+
+    left = []
+    for folder in Path(tempfile.gettempdir()).glob("blink-rdv-*"):
+        for f in folder.glob("*.pkl"):
+            try:
+                with open(f, "rb") as fh:
+                    pid = pickle.load(fh)[0]  # (pid, value): our own ranks' files
+            except Exception:
+                continue
+            if pid in pids:
+                left.append(str(f))
+    return sorted(left)
+
+
 # -- ranks as processes ------------------------------------------------------------------
 
 WORKER_PRELUDE = textwrap.dedent(

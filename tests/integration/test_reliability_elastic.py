@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import rendezvous_leftovers
+
 pytestmark = pytest.mark.timeout(420)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +48,8 @@ HOSTS = os.environ["RELIABILITY_HOSTS_FILE"]
 TOTAL, REMOVE_AT, SETTLE = int(os.environ["TOTAL"]), int(os.environ["REMOVE_AT"]), float(os.environ["SETTLE"])
 
 def emit(kind, **fields):
-    print("@@reliability " + json.dumps(dict(kind=kind, rank=hvd.rank(), size=hvd.size(), t=time.time(), **fields)),
+    print("@@reliability " + json.dumps(dict(kind=kind, rank=hvd.rank(), size=hvd.size(), pid=os.getpid(), t=time.time(),
+                                             **fields)),
           flush=True)
 
 FEATURES = int(os.environ["FEATURES"])
@@ -154,6 +157,7 @@ def test_rank_removed_under_elastic_blink_replans_and_matches_stock(tmp_path: Pa
     if 0 in finals["stock"] and 0 in finals["blink"]:
         diff = max(abs(a - b) for a, b in zip(finals["stock"][0]["weight"], finals["blink"][0]["weight"]))
     stats = finals["blink"].get(0, {}).get("stats", {})
+    left = rendezvous_leftovers({e["pid"] for e in ev["blink"]})
     since = (resumed["blink"] - removed["blink"]) if resumed["blink"] and removed["blink"] else None
     record(
         case="a rank removed mid-training under hvd.elastic.run (3 -> 2 ranks, torch), BLINK_ENABLE=1 vs stock",
@@ -166,7 +170,7 @@ def test_rank_removed_under_elastic_blink_replans_and_matches_stock(tmp_path: Pa
             f"plans made for {sorted(_plans_by_size(tmp_path / 'blink'))} ranks, training finished on "
             f"{len(finals['blink'])} ranks; Blink carried {stats.get('allreduce')} allreduces, "
             f"{stats.get('fallback')} fell back; final weights vs stock Horovod elastic under the same removal: "
-            f"max abs difference {diff:.1e}" if diff is not None else f"stock exit {jobs['stock'].returncode}, "
+            f"max abs difference {diff:.1e}; {len(left)} rendezvous file(s) left in /tmp" if diff is not None else f"stock exit {jobs['stock'].returncode}, "
             f"blink exit {jobs['blink'].returncode}, no final weights to compare"
         ),
         seconds=since,
@@ -182,3 +186,4 @@ def test_rank_removed_under_elastic_blink_replans_and_matches_stock(tmp_path: Pa
     assert max(abs(w - 0.001) for w in finals["blink"][0]["weight"]) > 1e-6  # it did train
     assert stats.get("allreduce", 0) > 0 and stats.get("fallback") == 0, stats
     assert _plans_by_size(tmp_path / "blink") >= {2, 3}  # planned for the first rank set, then again for the new one
+    assert left == [], left  # neither rank set's rendezvous folder outlives the job

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import rendezvous_leftovers
+
 pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +56,7 @@ def horovodrun(script: str, tmp_path: Path, env: dict[str, str], timeout: float 
 
 
 MISMATCH = """
-import json, sys, time
+import json, os, sys, time
 import torch
 import horovod.torch as hvd
 
@@ -62,7 +64,7 @@ hvd.init()
 r = hvd.rank()
 
 def emit(kind, **fields):
-    print("@@reliability " + json.dumps(dict(kind=kind, rank=r, t=time.time(), **fields)), flush=True)
+    print("@@reliability " + json.dumps(dict(kind=kind, rank=r, pid=os.getpid(), t=time.time(), **fields)), flush=True)
 
 hvd.allreduce(torch.ones(16), name="warm-up")
 x = torch.ones(4096 + (1 if r == 1 else 0))
@@ -83,12 +85,14 @@ def test_mismatched_shape_under_blink_enable_raises_on_every_rank(tmp_path: Path
     timeout = 30.0
     proc, events = horovodrun(MISMATCH, tmp_path, {"BLINK_ENABLE": "1", "BLINK_TIMEOUT_SECONDS": f"{timeout:g}"})
     errors = {e["rank"]: e for e in events if e["kind"] == "error"}
+    left = rendezvous_leftovers({e["pid"] for e in events})
     record(
         case=f"mismatched shape under horovodrun --gloo, BLINK_ENABLE=1 ({N} ranks, torch)",
         fault="mismatch across ranks",
         injected="rank 1 allreduces a tensor of 4097 elements, the others 4096, same name",
         behaviour=(f"{len(errors)} of {N} ranks raise {'/'.join(sorted({e['type'] for e in errors.values()}))}: "
-                   f"\"{next(iter(errors.values()))['message']}\"; horovodrun exits {proc.returncode}"
+                   f"\"{next(iter(errors.values()))['message']}\"; horovodrun exits {proc.returncode}; "
+                   f"{len(left)} rendezvous file(s) left in /tmp"
                    if errors else f"no rank raised; horovodrun exit {proc.returncode}"),
         seconds=max((e["seconds"] for e in errors.values()), default=None),
         limits=f"timeout {timeout:g} s",
@@ -100,3 +104,4 @@ def test_mismatched_shape_under_blink_enable_raises_on_every_rank(tmp_path: Path
             assert text in e["message"], (text, e)
         assert e["seconds"] < 5.0, e
     assert proc.returncode != 0
+    assert left == [], left  # the job's rendezvous folder does not outlive it
