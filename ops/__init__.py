@@ -20,20 +20,26 @@ Blink collective (:mod:`.hierarchical`):
 Module map (one idea each):
 
 - :mod:`.hook`          the ``sys.meta_path`` finder that patches Horovod after import
-- :mod:`.patching`      replacing a function in every module that imported it
+  (``blink_horovod_hook.pth`` runs it at start-up when ``BLINK_ENABLE`` is set)
+- :mod:`.patching`      replacing a function in every module that imported it; ``bypass()``
 - :mod:`.layout`        which ranks form a server; the cross-server process sets
+- :mod:`.context`       what lives between ``hvd.init`` and ``hvd.shutdown``
 - :mod:`.scaling`       Horovod's exact prescale / postscale / average arithmetic
-- :mod:`.negotiation`   the per-collective metadata check across ranks (and ``join``)
+- :mod:`.negotiation`   the name-keyed agreement across ranks per round (mismatches, ``join``)
 - :mod:`.engine`        the background thread, handles, ``poll`` / ``synchronize``
 - :mod:`.hierarchical`  the three-stage allreduce and the two-stage broadcast
 - :mod:`.fusion`        fixed gradient buckets (DDP-style) and flat buffers
 - :mod:`.fallback`      what goes to stock Horovod, counted and logged once per kind
-- :mod:`.torch_ops`, :mod:`.torch_optimizer`   the PyTorch adapter
+- :mod:`.errors_bridge` Blink's errors raised as Horovod's ``HorovodInternalError``
+- :mod:`.torch_ops`, :mod:`.torch_optimizer`, :mod:`.torch_cross`   the PyTorch adapter
 - :mod:`.tf_ops`, :mod:`.keras_ops`             the TensorFlow / Keras adapters
+- :mod:`.loopback`      an in-process cross-server transport (tests)
 
 Importing this package imports neither a framework nor Horovod.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from .patching import bypass
+
+__all__ = ["bypass"]

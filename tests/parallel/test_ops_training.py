@@ -1,7 +1,8 @@
 """Unmodified Horovod training scripts: blinkrun gives the same weights as horovodrun (two servers x two ranks).
 
-The scripts are examples/torch_train.py and examples/keras_train.py (DistributedOptimizer,
-broadcast_parameters / broadcast_optimizer_state, Horovod's Keras callbacks).  Both run
+The scripts are examples/torch_train.py, examples/keras_train.py and examples/tf_train.py
+(DistributedOptimizer, broadcast_parameters / broadcast_optimizer_state, Horovod's Keras
+callbacks, DistributedGradientTape in tf.function, broadcast_variables).  Both run
 15 optimizer steps under ``horovodrun`` and under ``blinkrun`` with the same arguments;
 the final weights must agree within 1e-5 and Blink's stats must show that it carried
 the allreduces.
@@ -33,11 +34,13 @@ def train(tmp_path, script: str, blink: bool, extra: list[str]) -> tuple[dict, l
 
 
 @pytest.mark.parametrize("script,extra", [("torch_train.py", ["--steps", "15"]),
-                                          ("keras_train.py", ["--steps", "15", "--epochs", "3"])])
+                                          ("keras_train.py", ["--steps", "15", "--epochs", "3"]),
+                                          ("tf_train.py", ["--steps", "15"])])
 def test_blinkrun_matches_horovodrun(tmp_path, script: str, extra: list[str]) -> None:
     require_horovod()
-    if script.startswith("keras"):
+    if script.startswith(("keras", "tf")):
         pytest.importorskip("tf_keras")
+        pytest.importorskip("horovod.tensorflow")
     stock, stock_stats = train(tmp_path, script, False, extra)
     blink, blink_stats = train(tmp_path, script, True, extra)
     assert stock.keys() == blink.keys()
