@@ -14,8 +14,8 @@ fluid engine (engine.py):
 - a ``post`` costs ``post_s`` and sets the rank's flag;
 - the collective starts after one graph launch (``launch_s``); a program with
   PCIe ops first pays the channel switch (``pcie_switch_s`` per GPU pair that
-  moves bytes over PCIe), before its first PCIe op, as Blink's hybrid
-  transfers do (Blink, section 3.4).
+  moves bytes over PCIe and that NVLink also joins), before its first PCIe op,
+  as Blink's hybrid transfers do (Blink, section 3.4).
 """
 
 from __future__ import annotations
@@ -76,9 +76,13 @@ def program_task_graph(
             s = signals[(rank, flag)] = g.signal()
         return s
 
-    # The PCIe channel switch, paid once before the first PCIe byte (Blink 3.4).
+    # The PCIe channel switch, paid once before the first PCIe byte (Blink 3.4):
+    # GPU pairs that NVLink joins must have peer access disabled for their
+    # bytes to take PCIe; pairs without NVLink use PCIe anyway.
     pcie_pairs = {
-        frozenset((r, op.peer)) for r, _, op in program.ops() if op.kind != "post" and op.channel == "pcie"
+        frozenset((r, op.peer))
+        for r, _, op in program.ops()
+        if op.kind != "post" and op.channel == "pcie" and resources.nvlink_connected(gpus[op.peer], gpus[r])
     }
     reduce_lat = params.copy_s + params.reduce_extra_s
     # Appended straight to the graph's lists: this loop runs once per op.

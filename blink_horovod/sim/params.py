@@ -103,9 +103,10 @@ class SimParams:
     hbm_gbps: float = 900.0
     # Hybrid transfers (Blink 3.4): PCIe between GPUs that have NVLink needs
     # peer access disabled first; the paper measures this latency but does not
-    # print it.  Assumed 50 us per GPU pair of the PCIe trees, paid once per
-    # collective before any PCIe byte moves, serialized on the host driver
-    # (so it grows with the GPU count, as the paper reports).
+    # print it.  Assumed 50 us per GPU pair of the PCIe trees that NVLink also
+    # joins (others use PCIe anyway), paid once per collective before any PCIe
+    # byte moves, serialized on the host driver (so it grows with the GPU
+    # count, as the paper reports).
     pcie_switch_s: float = 50e-6
     # Used for a topology without a ``pcie`` object (PCIe 3.0 x16, Blink 1).
     default_pcie_gbps: float = 12.0
