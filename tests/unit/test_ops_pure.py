@@ -178,3 +178,31 @@ def test_cross_server_summaries() -> None:
     joined = decide_server([prop(2, joined=True, join_round=0), prop(3, joined=True, join_round=0)])
     d = decide_global(joined, np.stack([encode_summary(a), encode_summary(joined)]), 1, 1 << 20)
     assert d.action == "run" and d.head.numel == (("float32", 8),)
+
+
+# -- Keras version check, errors bridge ---------------------------------------------------------------------------------
+
+def test_keras3_is_refused_with_the_fix_in_the_message() -> None:
+    from types import SimpleNamespace
+
+    from blink_horovod.errors import BlinkError
+    from blink_horovod.ops.keras_ops import check_legacy_keras
+
+    check_legacy_keras(SimpleNamespace(__version__="2.21.0"))
+    with pytest.raises(BlinkError, match="TF_USE_LEGACY_KERAS=1"):
+        check_legacy_keras(SimpleNamespace(__version__="3.15.1"))
+
+
+def test_errors_keep_their_blink_class_and_become_horovods() -> None:
+    from blink_horovod.errors import BlinkTimeoutError, MismatchError
+    from blink_horovod.ops.errors_bridge import as_horovod_error
+
+    e = as_horovod_error(MismatchError("Mismatched tensor shapes"))
+    assert isinstance(e, MismatchError) and isinstance(e, RuntimeError) and str(e) == "Mismatched tensor shapes"
+    t = as_horovod_error(BlinkTimeoutError("late"))
+    assert isinstance(t, BlinkTimeoutError) and isinstance(t, TimeoutError)
+    try:
+        from horovod.common.exceptions import HorovodInternalError
+    except ImportError:
+        return
+    assert isinstance(e, HorovodInternalError) and isinstance(t, HorovodInternalError)
