@@ -610,6 +610,8 @@ def run(args: argparse.Namespace) -> int:
                     rows.extend(measured.values())
                     if job.rank == 0:
                         print(_row_line(a, measured), file=out, flush=True)
+                        if a.json_path:
+                            _write_json(a.json_path, rows, a, job)  # after every row: a killed run keeps its rows
         wrong = sum(r.wrong or 0 for r in rows)
         if job.rank == 0:
             print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}", file=out)
