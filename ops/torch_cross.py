@@ -71,14 +71,20 @@ class TorchCross:
         return torch.from_numpy(arr)
 
     def allreduce(self, arr: np.ndarray, op: str, ranks: Sequence[int], name: str) -> None:
-        t = self._tensor(arr)
+        wide = _widened(arr)
+        t = self._tensor(arr if wide is None else wide)
         h = self.stock["_allreduce_async"](t, t, name, self._ops[op], 1.0, 1.0, self._set(ranks))
         self._wait(h, f"cross-server allreduce {name}")
+        if wide is not None:
+            arr[...] = wide.astype(arr.dtype)  # wraps modulo 2^bits, as the narrow sum/product would
 
     def broadcast(self, arr: np.ndarray, root: int, ranks: Sequence[int], name: str) -> None:
-        t = self._tensor(arr)
+        wide = _widened(arr)
+        t = self._tensor(arr if wide is None else wide)
         h = self.stock["_broadcast_async"](t, t, root, name, self._set(ranks))
         self._wait(h, f"cross-server broadcast {name}")
+        if wide is not None:
+            arr[...] = wide.astype(arr.dtype)
 
     def allgather_rows(self, row: np.ndarray, ranks: Sequence[int], name: str) -> np.ndarray:
         import torch
@@ -87,3 +93,14 @@ class TorchCross:
         h = self.stock["_allgather_async"](t, t.new(), name, self._set(ranks))
         out = self._wait(h, f"cross-server metadata {name}")
         return out.numpy()
+
+
+# This CPU build of Horovod 0.28.1 has no uint8/int8/int16/bool collectives,
+# which Blink carries: the cross-server stage moves them as int64 (exact for
+# min/max, and sums/products wrap to the same narrow result after the cast).
+_NARROW = ("uint8", "int8", "int16", "bool")
+
+
+def _widened(arr: np.ndarray) -> np.ndarray | None:
+    return arr.astype(np.int64) if arr.dtype.name in _NARROW else None
+

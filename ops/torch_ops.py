@@ -212,13 +212,29 @@ def _grouped_allreduce_async(tensors, outputs, name, op, prescale_factor, postsc
                              grouped=True)
 
 
+def _horovod_check(factory, tensor) -> None:
+    """Horovod's own argument check, except for dtypes Blink carries and this build lacks.
+
+    A CPU build of Horovod 0.28.1 has no uint8/int8/int16/bool kernels for
+    every op; Blink's runtime reduces them exactly, so only a tensor Blink
+    cannot carry either (non-contiguous, unknown dtype) keeps Horovod's error.
+    """
+    try:
+        _mpi_ops._check_function(factory, tensor)
+    except ValueError:
+        import torch
+
+        if tensor.dtype not in (torch.uint8, torch.int8, torch.int16, torch.bool) or not tensor.is_contiguous():
+            raise
+
+
 def _allreduce_common(tensors, outputs, name, op, pre, post, process_set, stock_call, grouped: bool):
     m = _mpi_ops
     factory = m._grouped_allreduce_function_factory if grouped else m._allreduce_function_factory
-    m._check_function(factory, tensors[0])  # Horovod's own errors: unsupported type, not contiguous
+    _horovod_check(factory, tensors[0])  # Horovod's own errors: unsupported type, not contiguous
     if grouped:
         for t in tensors[1:]:
-            m._check_function(factory, t)
+            _horovod_check(factory, t)
         if len({t.device for t in tensors}) > 1:
             raise ValueError("Tensors in grouped allreduce must all be on the same device")
     opname = _op_name(op)
@@ -258,7 +274,7 @@ def _broadcast_async(tensor, output, root_rank, name, process_set):
     if bypassed() or _ctx is None:
         return orig(tensor, output, root_rank, name, process_set)
     m = _mpi_ops
-    m._check_function(m._broadcast_function_factory, tensor)
+    _horovod_check(m._broadcast_function_factory, tensor)
     stock_call = lambda nm: orig(tensor, output, root_rank, nm, process_set)  # noqa: E731
     key = _pset_key(process_set)
     if key is None:
