@@ -367,8 +367,10 @@ def figure_c(out: Path, nvlink_rows: list[Row], quick: bool, params: SimParams) 
     sec.add(
         "Each NVLink-connected DGX-1V allocation, 1 GiB broadcast from its first GPU, planned on NVLink alone and on "
         f"NVLink + PCIe (the planner's split, section 3.4); the PCIe channel runs at {topo.pcie.bandwidth_gbps:g} GB/s per GPU "
-        f"and the hybrid program pays the channel switch ({params.pcie_switch_s * 1e6:.0f} us per GPU pair of the PCIe trees, "
-        "params.py) before its first PCIe byte.",
+        f"and the hybrid program pays the channel switch ({params.pcie_switch_s * 1e6:.0f} us per GPU pair of the PCIe trees "
+        "that NVLink also joins, params.py) before its first PCIe byte. The planner splits the bytes by bandwidth alone "
+        "(max(T_pcie, T_nvlink), section 3.4, without the switch cost or pipeline fill), so where the PCIe share's "
+        "trees are deep or the switch is costly the PCIe part finishes last and the gain can turn negative.",
         "",
         "| GPUs | allocations | paper: gain | ours: mean gain | ours: min / max |",
         "| --- | --- | --- | --- | --- |",
