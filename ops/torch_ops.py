@@ -182,8 +182,9 @@ def _stock(kind: str, detail: str, process_set, submit_stock, name: str | None, 
             _direct_counters[key] = n + 1
             name = f"blink.{kind}.ps{'_'.join(map(str, ranks))}.noname.{n}"
         return submit_stock(name)
-    meta = Meta(kind="stock", name=name, dtypes=tuple(_dtype_name(t) or "uint8" for t in tensors),
-                shapes=tuple(tuple(t.shape) for t in tensors), stock_kind=kind)
+    # Shapes and types are stock Horovod's to check (allgather's first dimensions differ by design):
+    # the engine only agrees on the order, by name.
+    meta = Meta(kind="stock", name=name, dtypes=(), shapes=(), stock_kind=kind)
     handle = ctx.engine.new_handle(name)
     timeout = ctx.config.timeout_seconds
     work = Work(meta=meta, handle=handle, keepalive=tuple(tensors))
