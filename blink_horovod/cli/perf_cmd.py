@@ -445,6 +445,7 @@ class _Row:
     algbw: float | None
     busbw: float | None
     wrong: int | None  # None: not checked; -1 in the table: not run (n/a)
+    cpu_us: float | None = None  # mean over ranks of CPU time per iteration (process_time: all threads)
 
 
 def _measure(job: _Job, a: _Args, impl: str, dtype: str, op: str, size: int) -> _Row:
@@ -485,18 +486,19 @@ def _measure(job: _Job, a: _Args, impl: str, dtype: str, op: str, size: int) -> 
             step(x)
             extra += 1
     barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(a.iters):
         step(x)
     elapsed = (time.perf_counter() - start) / a.iters
+    cpu = (time.process_time() - cpu_start) / a.iters
     if a.check:
         wrong += checked_run()
-    stats = job.gather((elapsed, wrong))
-    slowest = max(t for t, _ in stats)
-    wrong_total = sum(w for _, w in stats) if a.check else None
+    stats = job.gather((elapsed, wrong, cpu))
+    slowest = max(t for t, _, _ in stats)
+    wrong_total = sum(w for _, w, _ in stats) if a.check else None
     algbw = size / slowest / 1e9 if slowest > 0 else 0.0
     return _Row(impl, size, count, dtype, op, slowest * 1e6, algbw, algbw * busbw_factor(a.collective, job.size),
-                wrong_total)
+                wrong_total, sum(c for _, _, c in stats) / len(stats) * 1e6)
 
 
 # -- printing (nccl-tests' layout) -------------------------------------------------------------
@@ -558,7 +560,7 @@ def _write_json(path: str, rows: list[_Row], a: _Args, job: _Job) -> None:
 
     out = {"rows": [
         {"impl": r.impl, "collective": a.collective, "size": r.size, "count": r.count, "type": NCCL_NAMES[r.dtype],
-         "time_us": r.time_us, "algbw": r.algbw, "busbw": r.busbw, "wrong": r.wrong,
+         "time_us": r.time_us, "algbw": r.algbw, "busbw": r.busbw, "wrong": r.wrong, "cpu_us": r.cpu_us,
          "op": r.op if a.collective == "allreduce" else None, "root": a.root if a.collective == "broadcast" else None,
          "ranks": job.size, "servers": job.servers}
         for r in rows
@@ -629,6 +631,10 @@ def run(args: argparse.Namespace) -> int:
                         if b and h and b[-1].size == h[-1].size:
                             print(f"# blink/horovod busbw at {b[-1].size} B, {what}: "
                                   f"{b[-1].busbw / h[-1].busbw:.2f}x", file=out)
+                        if b and h and b[-1].size == h[-1].size and b[-1].cpu_us and h[-1].cpu_us:
+                            print(f"# CPU per rank per collective at {b[-1].size} B, {what}: blink "
+                                  f"{b[-1].cpu_us / 1e3:.1f} ms, horovod {h[-1].cpu_us / 1e3:.1f} ms "
+                                  f"({h[-1].cpu_us / b[-1].cpu_us:.2f}x)", file=out)
                         if b and h and b[0].size == h[0].size:
                             print(f"# latency at {b[0].size} B, {what}: blink {b[0].time_us:.1f} us, "
                                   f"horovod {h[0].time_us:.1f} us", file=out)
