@@ -156,7 +156,9 @@ def plan_init(ProcessSet: Any, comm: Any, process_sets: Any) -> InitPlan:
         return InitPlan(process_sets, dynamic, custom_comm)
     user = list(process_sets or [])
     have = {tuple(ps.ranks) for ps in user if getattr(ps, "ranks", None) is not None}
-    ours = [ProcessSet(r) for r in pre.all_cross_sets() if tuple(r) not in have]
+    # With one rank per server the cross set is the whole job: Horovod's global set carries it, and
+    # registering it again makes Horovod fail init ("mismatching numbers of process sets").
+    ours = [ProcessSet(r) for r in pre.all_cross_sets() if tuple(r) not in have and len(r) < pre.size]
     return InitPlan(user + ours, dynamic, custom_comm)
 
 
@@ -171,9 +173,14 @@ def cross_sets_after_init(plan: InitPlan) -> dict[tuple[int, ...], Any]:
     return out
 
 
-def add_missing_sets(layout: Layout, sets: dict, add_process_set: Callable[[list[int]], Any]) -> bool:
-    """Add (dynamically) the cross-server sets ``sets`` lacks; False if Horovod refuses."""
+def add_missing_sets(layout: Layout, sets: dict, add_process_set: Callable[[list[int]], Any],
+                     global_set: Any = None) -> bool:
+    """Add (dynamically) the cross-server sets ``sets`` lacks; False if Horovod refuses.
+
+    A cross set that is the whole job (one rank per server) is Horovod's ``global_set``."""
     for ranks in layout.all_cross_sets():
+        if tuple(ranks) not in sets and global_set is not None and len(ranks) == layout.size:
+            sets[tuple(ranks)] = global_set
         if tuple(ranks) not in sets:
             try:
                 sets[tuple(ranks)] = add_process_set(ranks)

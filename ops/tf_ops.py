@@ -482,7 +482,7 @@ def init(*args, **kwargs):
         _cross_sets.update(cross_sets_after_init(plan))
 
         def cross_factory(layout):
-            if not add_missing_sets(layout, _cross_sets, m.add_process_set):
+            if not add_missing_sets(layout, _cross_sets, m.add_process_set, getattr(m, "global_process_set", None)):
                 return None
             return _TFCross(_cross_sets, m)
 

@@ -403,7 +403,7 @@ def init(*args, **kwargs):
         _cross_sets.update(cross_sets_after_init(plan))
 
         def cross_factory(layout):
-            if not add_missing_sets(layout, _cross_sets, m.add_process_set):
+            if not add_missing_sets(layout, _cross_sets, m.add_process_set, getattr(m, "global_process_set", None)):
                 return None
             stock = {n: _o(n) for n in ("_allreduce_async", "_broadcast_async", "_allgather_async", "poll",
                                         "synchronize")}

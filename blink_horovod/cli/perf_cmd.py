@@ -230,11 +230,13 @@ def _start_horovod(job: _Job, cfg) -> None:
     if size % local:
         raise ConfigError(f"BLINK_LOCAL_SIZE: {local} ranks per server do not divide the job's {size} ranks")
     sets = []
-    if local < size:
+    if 1 < local < size:
         # One process set per local rank index: the ranks of the cross-server stage.
         sets = [hvd.ProcessSet([s * local + i for s in range(size // local)]) for i in range(local)]
     hvd.init(process_sets=sets) if sets else hvd.init()
-    job.hvd, job.process_sets = hvd, sets
+    # One rank per server: the cross-server stage is the whole job, Horovod's global set (registering
+    # it again fails Horovod's init with "mismatching numbers of process sets").
+    job.hvd, job.process_sets = hvd, sets or ([hvd.global_process_set] if local == 1 else [])
     job.rank, job.size = hvd.rank(), hvd.size()
     job.local_size = local
     job.local_rank, job.server, job.servers = job.rank % local, job.rank // local, job.size // local

@@ -172,6 +172,21 @@ def test_host_work_of_a_collective_does_not_grow_with_chunks() -> None:
         x = np.zeros(count, np.float32)
         p = put(cuda, heap, x)
         rows = {}
+        # Time blocked on the peer is not host work, and how often a wait loop spins depends on the
+        # peer thread's timing on a loaded machine: the profiler is off inside the transport's waits.
+        live: list = []
+        waits = srv.ex.t.wait_words
+
+        def unprofiled_wait(*args, **kwargs):
+            if live:
+                live[0].disable()
+            try:
+                return waits(*args, **kwargs)
+            finally:
+                if live:
+                    live[0].enable()
+
+        srv.ex.t.wait_words = unprofiled_wait
         for chunks in (1, 16, 256):
             srv.chunk_bytes = 4 * count // (2 * n) // chunks
             for _ in range(4):  # three residues captured, then steady state
@@ -182,9 +197,11 @@ def test_host_work_of_a_collective_does_not_grow_with_chunks() -> None:
             for _ in range(20):
                 cuda.synchronize()  # an idle device: no wait for a free argument slot inside the call
                 t0 = time.perf_counter()
+                live[:] = [prof]
                 prof.enable()
                 srv.allreduce(p, count, "float32", "sum")
                 prof.disable()
+                live.clear()
                 wall.append(time.perf_counter() - t0)
             cuda.synchronize()
             calls = sum(v[1] for v in pstats.Stats(prof).stats.values())  # primitive calls, all functions
@@ -196,8 +213,8 @@ def test_host_work_of_a_collective_does_not_grow_with_chunks() -> None:
     for rows in run_emulated(n, body):
         print({c: f"{calls:.0f} calls, {ops} ops, {us:.0f} us (profiled, emulated)" for c, (calls, ops, us) in rows.items()})
         assert rows[256][1] > 100 * rows[1][1]  # the program really is > 100x longer
-        # Waits on the peer (metadata) may loop a few more times; nothing proportional to the program.
-        assert rows[256][0] <= rows[1][0] + 40, rows
+        # Nothing proportional to the program (waits on the peer are not profiled, see above).
+        assert rows[256][0] <= rows[1][0] + 10, rows
 
 
 def test_mismatched_collectives_raise_on_every_rank_also_after_repeats() -> None:
