@@ -6,7 +6,8 @@
 time algbw busbw #wrong``, busbw factors 2(n-1)/n for allreduce and 1 for
 broadcast) plus ``host_us`` (wall time of the call: the metadata check, which
 waits for the other ranks' hosts, + the graph launch + any wait for a free
-argument slot when the device is the bottleneck), ``launch_us`` (host work of
+argument slot when the device is the bottleneck), ``cpu_us`` (CPU time of the
+calling thread during the call: host *work*, blocked time excluded), ``launch_us`` (host work of
 the launch part, slot waits excluded) and ``copy_GBps`` (the device's own
 device-to-device copy rate at that size, measured in the same run by rank 0,
 read + write counted as nccl-tests' bandwidths are not: algbw counts bytes
@@ -50,16 +51,18 @@ def load_plans(plan_dir: str, topology: str, n: int) -> dict[tuple[str, int | No
     return plans
 
 
-def fill(x, rank: int, dtype: str, seed: int) -> None:
-    """Integer-valued data that differs per rank and element, exact in every dtype: ((i*7 + r*13 + s) % 17) - 8."""
+def fill(x, rank: int, dtype: str, seed: int, block: int = 1 << 24) -> None:
+    """Integer-valued data that differs per rank and element, exact in every dtype: ((i*7 + r*13 + s) % 17) - 8
+    (in blocks: 8 ranks of 1 GB share one GPU)."""
     import cupy
 
-    i = cupy.arange(x.size, dtype=cupy.int64)
-    v = ((i * 7 + rank * 13 + seed) % 17 - 8).astype(cupy.float32)
-    if dtype == "bfloat16":
-        x[...] = (v.view(cupy.uint32) >> 16).astype(cupy.uint16)
-    else:
-        x[...] = v.astype(x.dtype)
+    for lo in range(0, x.size, block):
+        i = cupy.arange(lo, min(x.size, lo + block), dtype=cupy.int64)
+        v = ((i * 7 + rank * 13 + seed) % 17 - 8).astype(cupy.float32)
+        if dtype == "bfloat16":
+            x[lo : lo + block] = (v.view(cupy.uint32) >> 16).astype(cupy.uint16)
+        else:
+            x[lo : lo + block] = v.astype(x.dtype)
 
 
 def count_wrong(x, dtype: str, ranks: list[int], seed: int = 0, block: int = 1 << 24) -> int:
@@ -105,18 +108,24 @@ def main() -> int:
     ap.add_argument("--chunk-bytes", default=None, help="fixed chunk size; default: size/(trees*8) in [64K, 4M]")
     ap.add_argument("--json", default=None)
     ap.add_argument("--time-limit", type=float, default=0, help="stop starting new sizes after this many seconds")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="run N virtual ranks as threads of this one process (no mpirun): one CUDA context, so "
+                         "ranks sharing a GPU are not time-sliced against each other as processes are")
+    ap.add_argument("--profile", default=None,
+                    help="comma list of sizes at which rank 0's timed calls run under cProfile (top functions by "
+                         "own time printed to stderr)")
     args = ap.parse_args()
+    if args.threads:
+        return run_threads(args)
 
-    import cupy
     from mpi4py import MPI
 
     from blink_horovod.runtime.gpu.harness import GpuServer
     from blink_horovod.runtime.rendezvous import from_mpi
 
-    comm = MPI.COMM_WORLD
-    rank, n = comm.Get_rank(), comm.Get_size()
-    started = time.monotonic()
-    rdv = from_mpi(comm)
+    mpi = MPI.COMM_WORLD
+    rank, n = mpi.Get_rank(), mpi.Get_size()
+    rdv = from_mpi(mpi)
     pids = rdv.allgather(os.getpid())
     plans = load_plans(args.plan_dir, args.topology, n)
     if ("allreduce", None) not in plans:
@@ -125,6 +134,96 @@ def main() -> int:
         return 2
     srv = GpuServer(rdv.local_rank, rdv.local_size, rdv.job_id, pids, timeout=120.0,
                     planner=lambda c, r: plans[(c, r)])
+    ops = {"max": MPI.MAX, "sum": MPI.SUM}
+    comm = _Comm(lambda obj: mpi.bcast(obj, root=0), mpi.Barrier, lambda x, op: mpi.allreduce(x, op=ops[op]))
+    try:
+        return bench(args, rank, n, srv, plans, comm, "processes (mpirun)")
+    finally:
+        rdv.close()
+
+
+class _Comm:
+    """What the benchmark needs between ranks: bcast from rank 0, a barrier, allreduce of a number."""
+
+    def __init__(self, bcast, barrier, allreduce) -> None:
+        self.bcast, self.barrier, self.allreduce = bcast, barrier, allreduce
+
+
+def run_threads(args) -> int:
+    """``args.threads`` ranks as threads sharing this process's CUDA context on device 0.
+
+    Real device memory, streams, graphs, stream memory operations and kernels; what differs from
+    processes is only that peers' buffers are mapped by address (one address space) instead of by
+    CUDA IPC handles, and the control plane is the in-process loopback transport."""
+    import threading
+
+    from blink_horovod.runtime.gpu.device import SameProcessCuda
+    from blink_horovod.runtime.gpu.harness import GpuServer
+    from blink_horovod.runtime.loopback import LoopbackWorld
+
+    n = args.threads
+    plans = load_plans(args.plan_dir, args.topology, n)
+    if ("allreduce", None) not in plans:
+        print(f"no plan {args.topology}-n{n}-allreduce.json in {args.plan_dir}", file=sys.stderr)
+        return 2
+    world = LoopbackWorld(n, data_bytes=4096, nflags=16)
+    bar = threading.Barrier(n, timeout=300)
+    box: list = [None] * n
+    lock = threading.Lock()
+
+    def bcast(obj, r):
+        if r == 0:
+            box[0] = obj
+        bar.wait()
+        out = box[0]
+        bar.wait()
+        return out
+
+    def allreduce(x, op, r):
+        box[r] = x
+        bar.wait()
+        vals = list(box)
+        bar.wait()
+        return max(vals) if op == "max" else sum(vals)
+
+    results: list = [None] * n
+    errors: list = []
+
+    def main_of(r: int) -> None:
+        srv = None
+        try:
+            srv = GpuServer(r, n, "threads", [os.getpid()] * n, timeout=120.0, planner=lambda c, q: plans[(c, q)],
+                            transport=world.transport(r), cuda=SameProcessCuda(0))
+            comm = _Comm(lambda obj: bcast(obj, r), bar.wait, lambda x, op: allreduce(x, op, r))
+            results[r] = bench(args, r, n, srv, plans, comm, "threads of one process")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            with lock:
+                errors.append((r, exc))
+            bar.abort()
+            if srv is not None:
+                srv.ex.fail(exc)
+                srv.close()
+
+    threads = [threading.Thread(target=main_of, args=(r,), name=f"rank{r}") for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        import traceback
+
+        for r, exc in errors:
+            print(f"rank {r}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            traceback.print_exception(exc)
+        return 2
+    return max(results)
+
+
+def bench(args, rank: int, n: int, srv, plans, comm: _Comm, mode: str) -> int:
+    """One rank's nccl-tests loop; rank 0 prints."""
+    import cupy
+
+    started = time.monotonic()
     dtypes = GPU_DTYPES if args.dtype == "all" else tuple(args.dtype.split(","))
     sizes = []
     s = parse_size(args.minbytes)
@@ -140,17 +239,17 @@ def main() -> int:
     name = cupy.cuda.runtime.getDeviceProperties(srv.ex.device)["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
     if rank == 0:
-        print(f"# blink gpu_perf: {n} ranks, device {srv.ex.device} ({name}), "
+        print(f"# blink gpu_perf: {n} ranks as {mode}, device {srv.ex.device} ({name}), "
               f"plan {args.topology} ({ntrees} trees), collective {args.collective}")
         print(f"# {'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>4} {'time':>9} {'algbw':>7} {'busbw':>7} "
-              f"{'#wrong':>6} {'host_us':>8} {'launch_us':>9} {'copy_GBps':>9}")
+              f"{'#wrong':>6} {'host_us':>8} {'cpu_us':>7} {'launch_us':>9} {'copy_GBps':>9}")
         print(f"# {'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>4} {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7}")
     stopped = False
     for dt in dtypes:
         itemsize = np.dtype(storage(dt)).itemsize
         for size in sizes:
             late = bool(args.time_limit and time.monotonic() - started > args.time_limit)
-            if comm.bcast(late, root=0):  # every rank stops at the same size
+            if comm.bcast(late):  # every rank stops at the same size
                 stopped = True
                 break
             count = max(1, size // itemsize)
@@ -178,20 +277,37 @@ def main() -> int:
             for _ in range(args.warmup_iters):
                 once("perf")
             stream.synchronize()
-            comm.Barrier()
+            comm.barrier()
             host = []
+            cpu = []
             launch = []
+            prof = None
+            if rank == 0 and args.profile and nbytes in {parse_size(v) for v in args.profile.split(",")}:
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
             e0.record(stream)
             for _ in range(iters):
-                h0 = time.perf_counter()
+                h0, c0 = time.perf_counter(), time.thread_time()
                 once("perf")
                 host.append(time.perf_counter() - h0)
+                cpu.append(time.thread_time() - c0)
                 launch.append(srv.ex.last_launch_seconds)
             e1.record(stream)
+            if prof is not None:
+                prof.disable()
+                import io
+                import pstats
+
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+                print(f"# profile of rank 0, {iters} calls of {nbytes} B {dt} ({mode}):\n{buf.getvalue()}",
+                      file=sys.stderr, flush=True)
             e1.synchronize()
             t = cupy.cuda.get_elapsed_time(e0, e1) * 1e-3 / iters
-            t = comm.allreduce(t, op=MPI.MAX)
-            wrong = comm.allreduce(wrong, op=MPI.SUM)
+            t = comm.allreduce(t, "max")
+            wrong = comm.allreduce(wrong, "sum")
             copy_gbps = None
             if rank == 0:
                 y = cupy.empty_like(x)
@@ -203,23 +319,25 @@ def main() -> int:
                 e1.synchronize()
                 copy_gbps = 2 * nbytes * 5 / (cupy.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9
                 del y
-            host_us = comm.allreduce(1e6 * float(np.median(host)), op=MPI.MAX)
-            launch_us = comm.allreduce(1e6 * float(np.median(launch)), op=MPI.MAX)
+            host_us = comm.allreduce(1e6 * float(np.median(host)), "max")
+            launch_us = comm.allreduce(1e6 * float(np.median(launch)), "max")
+            cpu_us = comm.allreduce(1e6 * float(np.median(cpu)), "max")
             algbw = nbytes / t / 1e9
             row = {"impl": "blink", "collective": args.collective, "size": nbytes, "count": count, "type": dt,
                    "time_us": t * 1e6, "algbw": algbw, "busbw": algbw * factor, "wrong": wrong, "ranks": n,
-                   "host_us": host_us, "launch_us": launch_us, "copy_GBps": copy_gbps, "chunk_bytes": srv.chunk_bytes,
+                   "host_us": host_us, "launch_us": launch_us, "cpu_us": cpu_us, "mode": mode, "copy_GBps": copy_gbps,
+                   "chunk_bytes": srv.chunk_bytes,
                    "root": args.root if args.collective == "broadcast" else -1}
             rows.append(row)
             if rank == 0:
                 print(f"  {nbytes:>12} {count:>12} {NCCL[dt]:>8} {'sum' if args.collective == 'allreduce' else 'none':>6} "
                       f"{row['root']:>4} {t * 1e6:>9.1f} {algbw:>7.2f} {algbw * factor:>7.2f} {wrong:>6} "
-                      f"{host_us:>8.1f} {launch_us:>9.1f} {copy_gbps:>9.1f}  ({format_size(nbytes)})", flush=True)
+                      f"{host_us:>8.1f} {cpu_us:>7.1f} {launch_us:>9.1f} {copy_gbps:>9.1f}  ({format_size(nbytes)})", flush=True)
             del x
+            cupy.get_default_memory_pool().free_all_blocks()  # 8 ranks of 1 GB share one GPU
         if stopped:
             break
     srv.close()
-    rdv.close()
     if rank == 0:
         total_wrong = sum(r["wrong"] for r in rows)
         print(f"# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
@@ -230,7 +348,7 @@ def main() -> int:
             with open(tmp, "w") as fh:
                 json.dump({"rows": rows, "ranks": n, "topology": args.topology, "stopped_early": stopped}, fh, indent=1)
             os.replace(tmp, args.json)
-    bad = comm.bcast(sum(r["wrong"] for r in rows) if rank == 0 else None, root=0)
+    bad = comm.bcast(sum(r["wrong"] for r in rows) if rank == 0 else None)
     return 1 if bad else 0
 
 

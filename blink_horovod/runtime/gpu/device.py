@@ -21,7 +21,7 @@ import numpy as np
 
 from ...errors import BlinkInternalError, ConfigError
 
-__all__ = ["Cuda", "available", "device_pointer", "stream_pointer"]
+__all__ = ["Cuda", "SameProcessCuda", "available", "device_pointer", "stream_pointer"]
 
 
 def available() -> tuple[bool, str]:
@@ -248,3 +248,23 @@ class Cuda:
         mod = self.cupy.RawModule(code=source, options=("-std=c++17",))
         mod.compile()
         return mod
+
+
+class SameProcessCuda(Cuda):
+    """:class:`Cuda` for virtual ranks that are threads of one process (benchmarks and tests on one GPU).
+
+    CUDA IPC cannot map a buffer into the process that allocated it, and threads need no mapping:
+    the "handle" is the device address itself.  Everything else (memory, streams, graphs, stream
+    memory operations, kernels) is the real device's, in the process's one context, where peers'
+    streams run concurrently instead of being time-sliced as separate processes' contexts are.
+    """
+
+    def ipc_handle(self, ptr: int) -> bytes:
+        return int(ptr).to_bytes(8, "little")
+
+    def ipc_open(self, handle: bytes) -> int:
+        return int.from_bytes(handle, "little")
+
+    def ipc_close(self, ptr: int) -> None:
+        pass  # the owner frees it
+

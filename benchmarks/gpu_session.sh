@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# A GPU session's device call, second form: the same steps as gpu_probe_run.sh plus ranks as threads of one
+# process (no time-slicing between contexts), an MPS attempt, rank-0 profiles, and everything packed into
+# $OUT/results.tar.gz (the device tool returns at most 8 files).
+#
+#   run(command="bash benchmarks/gpu_session.sh", timeout_s=600)
+#
+# STEPS (default: all) picks steps by name, e.g. STEPS="env threads-n2 procs-n2".
+set -u
+OUT=${OUT:-/tmp/blink-gpu-out}
+R="$OUT/r"
+mkdir -p "$R"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export BLINK_TIMEOUT_SECONDS=${BLINK_TIMEOUT_SECONDS:-60}
+START=$(date +%s)
+BUDGET=${BUDGET:-560}
+STEPS=${STEPS:-all}
+PY=${PY:-python3}
+MPI=(mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE
+     -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x BLINK_TIMEOUT_SECONDS)
+PERF=(benchmarks/gpu_perf.py -c 1 -w 2)
+
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+want() { [ "$STEPS" = all ] || [[ " $STEPS " == *" $1 "* ]]; }
+step() {  # step NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2 l rc
+    shift 2
+    want "$name" || return 0
+    l=$(left)
+    if [ "$l" -lt 15 ]; then echo "skip  $name (budget spent)" >>"$R/summary.txt"; return; fi
+    [ "$limit" -gt "$l" ] && limit=$l
+    timeout -k 5 "$limit" "$@" >"$R/$name.log" 2>&1
+    rc=$?
+    echo "rc=$rc $name (limit ${limit}s) at $(($(date +%s) - START))s" >>"$R/summary.txt"
+}
+pack() { tar -czf "$OUT/results.tar.gz" -C "$OUT" r; cp "$R/summary.txt" "$OUT/summary.txt"; }
+trap pack EXIT
+
+envinfo() {
+    date -u; uname -a; nvidia-smi; nvidia-smi -q | grep -i -E "compute mode|mig mode|virtualization|persistence" -A1
+    ls -l "$(command -v nvidia-cuda-mps-control 2>/dev/null || echo /nonexistent)" 2>&1
+    $PY -c "import cupy, cuda.bindings, numpy, mpi4py; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
+}
+step env 20 envinfo
+step pingpong 40 $PY benchmarks/gpu_pingpong.py --json "$R/pingpong.json"
+# Ranks as threads of one process: one CUDA context, no time-slicing: what the executor itself costs.
+step threads-n2 60 $PY "${PERF[@]}" --threads 2 -b 4 -e 1G -f 4 -n 10 --dtype float32 --topology dgx1v \
+    --profile 4,64M --json "$R/threads-n2.json" --time-limit 50
+# The same as processes (the issue's form): contexts time-sliced by the driver.
+step procs-n2 60 "${MPI[@]}" -np 2 $PY "${PERF[@]}" -b 4 -e 1G -f 4 -n 10 --dtype float32 --topology dgx1v \
+    --profile 4,64M --json "$R/procs-n2.json" --time-limit 50
+step threads-n8 100 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 4 -n 5 --dtype all --topology dgx1v \
+    --json "$R/threads-n8.json" --time-limit 90
+step procs-n8 90 "${MPI[@]}" -np 8 $PY "${PERF[@]}" -b 4 -e 1G -f 16 -n 5 --dtype float32,bfloat16 \
+    --topology dgx1v --json "$R/procs-n8.json" --time-limit 75
+step threads-n4 45 $PY "${PERF[@]}" --threads 4 -b 4 -e 1G -f 4 -n 5 --dtype all --topology dgx1v \
+    --json "$R/threads-n4.json" --time-limit 40
+# MPS (if the machine has it): processes as clients of one server context.
+mps() {
+    command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control"; return 3; }
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/blink-mps CUDA_MPS_LOG_DIRECTORY=/tmp/blink-mps-log
+    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+    nvidia-cuda-mps-control -d || return 4
+    sleep 1
+    "${MPI[@]}" -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -np 2 $PY "${PERF[@]}" -b 4 -e 64M -f 4 -n 10 \
+        --dtype float32 --topology dgx1v --json "$R/mps-n2.json" --time-limit 30
+    local rc=$?
+    echo quit | nvidia-cuda-mps-control
+    sleep 1
+    cat $CUDA_MPS_LOG_DIRECTORY/*.log 2>/dev/null | tail -20
+    return $rc
+}
+step mps 50 mps
+step gputests 150 $PY -m pytest -v -p no:cacheprovider -rs -s tests/parallel/test_gpu_collectives.py \
+    -k "killed or host_time or back_to_back or every_dtype"
+step threads-bcast 30 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 16 -n 5 --collective broadcast --dtype float32 \
+    --topology dgx1v --json "$R/threads-bcast.json" --time-limit 25
+step threads-hgx 30 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 16 -n 5 --dtype float32 --topology hgx-h200 \
+    --json "$R/threads-hgx.json" --time-limit 25
+echo "done at $(($(date +%s) - START))s" >>"$R/summary.txt"
+cat "$R/summary.txt"
