@@ -488,6 +488,38 @@ _REPLACED = {
 }
 
 
+# Horovod's autograd functions whose backward passes run collectives on the incoming gradients.
+_AUTOGRAD = ("HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodBroadcast", "HorovodAllgather",
+             "HorovodGroupedAllgather", "HorovodAlltoall", "HorovodReducescatter", "HorovodGroupedReducescatter")
+
+
+def _contiguous_backward(fn_cls: Any) -> None:
+    """Give ``fn_cls.backward`` contiguous gradients while Blink carries the job.
+
+    Autograd hands a backward pass whatever layout the next op produced:
+    ``hvd.allreduce(x).sum().backward()`` delivers an expanded (stride-0)
+    ones tensor, and Horovod's backward passes it straight into
+    ``allreduce``, whose ``_check_function`` refuses non-contiguous tensors
+    (stock Horovod 0.28.1 fails that line with "Tensor is required to be
+    contiguous.").  The issue asks for autograd through allreduce to work,
+    and a gradient's layout is not the user's choice, so the gradients are
+    made contiguous here (a copy only when they are not); a non-contiguous
+    tensor passed to a collective directly keeps Horovod's ValueError.
+    """
+    if getattr(fn_cls, "_blink_backward", None) is not None:
+        return
+    orig = fn_cls.backward
+
+    def backward(ctx, *grads):
+        if _ctx is not None and not bypassed():
+            grads = tuple(g.contiguous() if g is not None and hasattr(g, "is_contiguous") else g for g in grads)
+        return orig(ctx, *grads)
+
+    backward.__doc__ = f"Blink: {fn_cls.__name__}'s backward with contiguous gradients (see _contiguous_backward)."
+    fn_cls._blink_backward = orig
+    fn_cls.backward = staticmethod(backward)
+
+
 def install(module: Any = None) -> None:
     """Patch ``horovod.torch`` (already imported) so that its collectives run through Blink."""
     global _mpi_ops
@@ -498,6 +530,9 @@ def install(module: Any = None) -> None:
     for name, fn in _REPLACED.items():
         if hasattr(mpi_ops, name):
             replace_everywhere(_PKG, mpi_ops, name, fn)
+    for cls_name in _AUTOGRAD:
+        if hasattr(mpi_ops, cls_name):
+            _contiguous_backward(getattr(mpi_ops, cls_name))
     from . import torch_optimizer
 
     torch_optimizer.install()

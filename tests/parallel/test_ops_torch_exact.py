@@ -17,19 +17,12 @@ from ops_support import WORKERS, job_env, require_horovod, run_job, tail
 pytestmark = [pytest.mark.parallel, pytest.mark.timeout(900)]
 
 
-# Known open bug (noted in the README): the worker's autograd-through-allreduce
-# step hands a non-contiguous gradient to Horovod's contiguity check. The
-# dtype, average, grouped, async and broadcast parts before it pass.
-KNOWN_BUG = pytest.mark.xfail(reason="autograd through allreduce: non-contiguous gradient rejected (open bug)", strict=False)
-
-
 def check_ranks(p, n: int) -> list[dict]:
     oks = re.findall(r"RANK (\d+) OK (\{.*\})", p.stdout)
     assert p.returncode == 0 and len(oks) == n, tail(p)
     return [json.loads(s) for _, s in oks]
 
 
-@KNOWN_BUG
 def test_exact_results_two_servers_gloo(tmp_path) -> None:
     require_horovod()
     p = run_job(["-np", "4", "-H", "localhost:2,127.0.0.1:2", "--gloo", "python",
@@ -38,7 +31,6 @@ def test_exact_results_two_servers_gloo(tmp_path) -> None:
         assert st["allreduce"] > 50 and st["fallback"] >= 1  # allgather_object goes to stock Horovod
 
 
-@KNOWN_BUG
 def test_exact_results_two_servers_mpi_with_blink_local_size(tmp_path) -> None:
     require_horovod()
     env = job_env({"BLINK_LOCAL_SIZE": "2"}, tmp=tmp_path)
