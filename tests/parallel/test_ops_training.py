@@ -45,6 +45,9 @@ def test_blinkrun_matches_horovodrun(tmp_path, script: str, extra: list[str]) ->
     blink, blink_stats = train(tmp_path, script, True, extra)
     assert stock.keys() == blink.keys()
     diff = max(float(np.abs(stock[k] - blink[k]).max()) for k in stock)
+    # the figures docs/integration.md records (pytest -rP shows them)
+    print(f"{script}: max abs weight difference blinkrun vs horovodrun {diff:.3g}; "
+          f"Blink stats rank 0 {blink_stats[0] if blink_stats else None}")
     assert diff <= 1e-5, diff
     assert all(s["allreduce"] == 0 for s in stock_stats)  # nothing of Blink's ran under horovodrun
     assert len(blink_stats) == 4
