@@ -111,6 +111,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0,
                     help="run N virtual ranks as threads of this one process (no mpirun): one CUDA context, so "
                          "ranks sharing a GPU are not time-sliced against each other as processes are")
+    ap.add_argument("--flag-ops", default=None, choices=["auto", "kernel", "memop"],
+                    help="how ranks signal on the device (BLINK_GPU_FLAGS; default auto: memop for processes "
+                         "sharing a GPU, kernel otherwise)")
     ap.add_argument("--profile", default=None,
                     help="comma list of sizes at which rank 0's timed calls run under cProfile (top functions by "
                          "own time printed to stderr)")
@@ -132,6 +135,8 @@ def main() -> int:
         if rank == 0:
             print(f"no plan {args.topology}-n{n}-allreduce.json in {args.plan_dir}", file=sys.stderr)
         return 2
+    if args.flag_ops:
+        os.environ["BLINK_GPU_FLAGS"] = args.flag_ops
     srv = GpuServer(rdv.local_rank, rdv.local_size, rdv.job_id, pids, timeout=120.0,
                     planner=lambda c, r: plans[(c, r)])
     ops = {"max": MPI.MAX, "sum": MPI.SUM}
@@ -167,6 +172,9 @@ def run_threads(args) -> int:
         print(f"no plan {args.topology}-n{n}-allreduce.json in {args.plan_dir}", file=sys.stderr)
         return 2
     world = LoopbackWorld(n, data_bytes=4096, nflags=16)
+    # One context: memop waits would block the hardware queue they sit on (peers' streams share the
+    # queues), spinning kernels do not.
+    mode_flags = args.flag_ops if args.flag_ops not in (None, "auto") else "kernel"
     bar = threading.Barrier(n, timeout=300)
     box: list = [None] * n
     lock = threading.Lock()
@@ -193,7 +201,8 @@ def run_threads(args) -> int:
         srv = None
         try:
             srv = GpuServer(r, n, "threads", [os.getpid()] * n, timeout=120.0, planner=lambda c, q: plans[(c, q)],
-                            transport=world.transport(r), cuda=SameProcessCuda(0))
+                            transport=world.transport(r),
+                            cuda=SameProcessCuda(0, flag_ops=mode_flags))
             comm = _Comm(lambda obj: bcast(obj, r), bar.wait, lambda x, op: allreduce(x, op, r))
             results[r] = bench(args, r, n, srv, plans, comm, "threads of one process")
         except BaseException as exc:  # noqa: BLE001 - reported below
@@ -217,6 +226,13 @@ def run_threads(args) -> int:
             traceback.print_exception(exc)
         return 2
     return max(results)
+
+
+def _wait(obj) -> None:
+    """Poll a CuPy stream or event until done: a thread blocked inside a CUDA synchronize may hold the
+    GIL that a peer thread (threads mode) needs to launch the work being waited for."""
+    while not obj.done:
+        time.sleep(2e-5)
 
 
 def bench(args, rank: int, n: int, srv, plans, comm: _Comm, mode: str) -> int:
@@ -260,7 +276,7 @@ def bench(args, rank: int, n: int, srv, plans, comm: _Comm, mode: str) -> int:
                 srv.chunk_bytes = int(min(4 << 20, max(64 << 10, nbytes // (ntrees * 8))))
             x = cupy.empty(count, storage(dt))
             fill(x, rank, dt, 0)
-            cupy.cuda.get_current_stream().synchronize()  # fill ran on CuPy's stream; the collectives use `stream`
+            _wait(cupy.cuda.get_current_stream())  # fill ran on CuPy's stream; the collectives use `stream`
 
             def once(name: str, x=x, count=count, dt=dt) -> None:
                 if args.collective == "allreduce":
@@ -271,12 +287,12 @@ def bench(args, rank: int, n: int, srv, plans, comm: _Comm, mode: str) -> int:
             wrong = 0
             if args.check:
                 once("check")
-                stream.synchronize()
+                _wait(stream)
                 wrong = count_wrong(x, dt, list(range(n)) if args.collective == "allreduce" else [args.root])
             iters = args.iters if nbytes < (64 << 20) else max(2, args.iters // 4)
             for _ in range(args.warmup_iters):
                 once("perf")
-            stream.synchronize()
+            _wait(stream)
             comm.barrier()
             host = []
             cpu = []
@@ -304,7 +320,7 @@ def bench(args, rank: int, n: int, srv, plans, comm: _Comm, mode: str) -> int:
                 pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
                 print(f"# profile of rank 0, {iters} calls of {nbytes} B {dt} ({mode}):\n{buf.getvalue()}",
                       file=sys.stderr, flush=True)
-            e1.synchronize()
+            _wait(e1)
             t = cupy.cuda.get_elapsed_time(e0, e1) * 1e-3 / iters
             t = comm.allreduce(t, "max")
             wrong = comm.allreduce(wrong, "sum")

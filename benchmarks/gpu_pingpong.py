@@ -31,14 +31,14 @@ GRAPH_K = 64
 MB = 64
 
 
-def worker(role: int, q_out, q_in, result) -> None:
+def worker(role: int, q_out, q_in, result, flag_ops: str = "memop") -> None:
 
     from blink_horovod.runtime.gpu.device import Cuda
     from blink_horovod.runtime.gpu.lowering import epoch_value  # noqa: F401 - import check on the device machine
 
-    out: dict = {"role": role}
+    out: dict = {"role": role, "flag_ops": flag_ops}
     try:
-        c = Cuda(0)
+        c = Cuda(0, flag_ops=flag_ops)
         base = c.malloc(4096 + MB * (1 << 20))
         c.memset(base, 0, 4096)
         import cupy
@@ -125,10 +125,12 @@ def worker(role: int, q_out, q_in, result) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the result here too")
+    ap.add_argument("--flag-ops", default="memop", choices=["memop", "kernel"],
+                    help="flag waits/writes as stream memory operations or as one-thread kernels")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     a2b, b2a, res = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(0, a2b, b2a, res)), ctx.Process(target=worker, args=(1, b2a, a2b, res))]
+    procs = [ctx.Process(target=worker, args=(0, a2b, b2a, res, args.flag_ops)), ctx.Process(target=worker, args=(1, b2a, a2b, res, args.flag_ops))]
     for p in procs:
         p.start()
     outs = []

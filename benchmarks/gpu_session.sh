@@ -16,7 +16,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export BLINK_TIMEOUT_SECONDS=${BLINK_TIMEOUT_SECONDS:-60}
 START=$(date +%s)
-BUDGET=${BUDGET:-560}
+BUDGET=${BUDGET:-430}
 STEPS=${STEPS:-all}
 PY=${PY:-python3}
 MPI=(mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE
@@ -32,7 +32,12 @@ step() {  # step NAME LIMIT_S COMMAND...
     l=$(left)
     if [ "$l" -lt 15 ]; then echo "skip  $name (budget spent)" >>"$R/summary.txt"; return; fi
     [ "$limit" -gt "$l" ] && limit=$l
-    timeout -k 5 "$limit" "$@" >"$R/$name.log" 2>&1
+    if declare -F "$1" >/dev/null; then  # a shell function: timeout runs programs only
+        export -f "$1"
+        timeout -k 5 "$limit" bash -c "$(printf '%q ' "$@")" >"$R/$name.log" 2>&1
+    else
+        timeout -k 5 "$limit" "$@" >"$R/$name.log" 2>&1
+    fi
     rc=$?
     echo "rc=$rc $name (limit ${limit}s) at $(($(date +%s) - START))s" >>"$R/summary.txt"
 }
@@ -42,22 +47,24 @@ trap pack EXIT
 envinfo() {
     date -u; uname -a; nvidia-smi; nvidia-smi -q | grep -i -E "compute mode|mig mode|virtualization|persistence" -A1
     ls -l "$(command -v nvidia-cuda-mps-control 2>/dev/null || echo /nonexistent)" 2>&1
-    $PY -c "import cupy, cuda.bindings, numpy, mpi4py; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
+    python3 -c "import cupy, cuda.bindings, numpy, mpi4py; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
 }
 step env 20 envinfo
-step pingpong 40 $PY benchmarks/gpu_pingpong.py --json "$R/pingpong.json"
+# Cross-process signalling on one GPU: stream memory operations vs one-thread kernels.
+step pingpong-memop 30 $PY benchmarks/gpu_pingpong.py --flag-ops memop --json "$R/pingpong-memop.json"
+step pingpong-kernel 40 $PY benchmarks/gpu_pingpong.py --flag-ops kernel --json "$R/pingpong-kernel.json"
 # Ranks as threads of one process: one CUDA context, no time-slicing: what the executor itself costs.
-step threads-n2 60 $PY "${PERF[@]}" --threads 2 -b 4 -e 1G -f 4 -n 10 --dtype float32 --topology dgx1v \
-    --profile 4,64M --json "$R/threads-n2.json" --time-limit 50
-# The same as processes (the issue's form): contexts time-sliced by the driver.
-step procs-n2 60 "${MPI[@]}" -np 2 $PY "${PERF[@]}" -b 4 -e 1G -f 4 -n 10 --dtype float32 --topology dgx1v \
-    --profile 4,64M --json "$R/procs-n2.json" --time-limit 50
-step threads-n8 100 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 4 -n 5 --dtype all --topology dgx1v \
-    --json "$R/threads-n8.json" --time-limit 90
-step procs-n8 90 "${MPI[@]}" -np 8 $PY "${PERF[@]}" -b 4 -e 1G -f 16 -n 5 --dtype float32,bfloat16 \
-    --topology dgx1v --json "$R/procs-n8.json" --time-limit 75
+step threads-n2 50 $PY "${PERF[@]}" --threads 2 -b 4 -e 1G -f 4 -n 10 --dtype float32 --topology dgx1v \
+    --json "$R/threads-n2.json" --time-limit 40
+step threads-n8 90 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 4 -n 5 --dtype all --topology dgx1v \
+    --json "$R/threads-n8.json" --time-limit 75
 step threads-n4 45 $PY "${PERF[@]}" --threads 4 -b 4 -e 1G -f 4 -n 5 --dtype all --topology dgx1v \
-    --json "$R/threads-n4.json" --time-limit 40
+    --json "$R/threads-n4.json" --time-limit 35
+# Processes (the issue's form): contexts time-sliced by the driver; memop vs kernel flags.
+step procs-n2-memop 40 "${MPI[@]}" -np 2 $PY "${PERF[@]}" -b 4 -e 1G -f 4 -n 10 --dtype float32 --topology dgx1v \
+    --flag-ops memop --json "$R/procs-n2-memop.json" --time-limit 30
+step procs-n2-kernel 40 "${MPI[@]}" -np 2 $PY "${PERF[@]}" -b 4 -e 1G -f 4 -n 10 --dtype float32 --topology dgx1v \
+    --flag-ops kernel --json "$R/procs-n2-kernel.json" --time-limit 30
 # MPS (if the machine has it): processes as clients of one server context.
 mps() {
     command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control"; return 3; }
@@ -65,20 +72,22 @@ mps() {
     mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
     nvidia-cuda-mps-control -d || return 4
     sleep 1
-    "${MPI[@]}" -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -np 2 $PY "${PERF[@]}" -b 4 -e 64M -f 4 -n 10 \
-        --dtype float32 --topology dgx1v --json "$R/mps-n2.json" --time-limit 30
+    mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x CUDA_MPS_PIPE_DIRECTORY \
+        -x CUDA_MPS_LOG_DIRECTORY -np 2 python3 benchmarks/gpu_perf.py -c 1 -w 2 -b 4 -e 64M -f 4 -n 10 \
+        --dtype float32 --topology dgx1v --flag-ops kernel --json /tmp/mps-n2.json --time-limit 25
     local rc=$?
     echo quit | nvidia-cuda-mps-control
     sleep 1
-    cat $CUDA_MPS_LOG_DIRECTORY/*.log 2>/dev/null | tail -20
+    tail -20 $CUDA_MPS_LOG_DIRECTORY/*.log 2>/dev/null
     return $rc
 }
-step mps 50 mps
-step gputests 150 $PY -m pytest -v -p no:cacheprovider -rs -s tests/parallel/test_gpu_collectives.py \
-    -k "killed or host_time or back_to_back or every_dtype"
-step threads-bcast 30 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 16 -n 5 --collective broadcast --dtype float32 \
-    --topology dgx1v --json "$R/threads-bcast.json" --time-limit 25
-step threads-hgx 30 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 16 -n 5 --dtype float32 --topology hgx-h200 \
-    --json "$R/threads-hgx.json" --time-limit 25
+step mps 45 mps
+cp /tmp/mps-n2.json "$R/" 2>/dev/null
+step gputests 70 $PY -m pytest -v -p no:cacheprovider -rs -s tests/parallel/test_gpu_collectives.py \
+    -k "killed or host_time"
+step threads-bcast 25 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 16 -n 5 --collective broadcast --dtype float32 \
+    --topology dgx1v --json "$R/threads-bcast.json" --time-limit 20
+step threads-hgx 25 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 16 -n 5 --dtype float32 --topology hgx-h200 \
+    --json "$R/threads-hgx.json" --time-limit 20
 echo "done at $(($(date +%s) - START))s" >>"$R/summary.txt"
 cat "$R/summary.txt"

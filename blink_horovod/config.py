@@ -28,6 +28,8 @@ __all__ = [
     "BLINK_STALL_CHECK_SECONDS",
     "BLINK_LOG_LEVEL",
     "BLINK_FAULT",
+    "BLINK_GPU_FLAGS",
+    "GPU_FLAG_MODES",
     "ALL_VARIABLES",
     "LAUNCHER_FLAGS",
     "Config",
@@ -45,6 +47,12 @@ BLINK_LOG_LEVEL = "BLINK_LOG_LEVEL"
 # Fault injection for the reliability tests only (see runtime.faults):
 # "ACTION:after=K[:rank=R]" with ACTION in kill, raise, stall, corrupt.
 BLINK_FAULT = "BLINK_FAULT"
+# How GPU ranks signal each other: "kernel" (one-thread spin/write kernels: cheap graph launches),
+# "memop" (cuStreamWaitValue32/WriteValue32: ~3.6 us of host time per node at graph launch, but a
+# blocked wait lets the driver switch to another process's context at once), or "auto" (memop when
+# several processes share one GPU, kernel otherwise).  See docs/gpu-runtime.md.
+BLINK_GPU_FLAGS = "BLINK_GPU_FLAGS"
+GPU_FLAG_MODES = ("auto", "kernel", "memop")
 
 ALL_VARIABLES = (
     BLINK_ENABLE,
@@ -56,6 +64,7 @@ ALL_VARIABLES = (
     BLINK_STALL_CHECK_SECONDS,
     BLINK_LOG_LEVEL,
     BLINK_FAULT,
+    BLINK_GPU_FLAGS,
 )
 
 # blinkrun flag -> variable (one-to-one, as Horovod's launcher argument groups).
@@ -92,6 +101,7 @@ class Config:
     stall_check_seconds: float = DEFAULT_STALL_CHECK_SECONDS
     log_level: str = "warning"
     fault: str | None = None
+    gpu_flags: str = "auto"
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -146,6 +156,9 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     if level not in LOG_LEVELS:
         raise ConfigError(f"{BLINK_LOG_LEVEL}: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
     cache_raw = env.get(BLINK_PLAN_CACHE, "").strip()
+    gpu_flags = env.get(BLINK_GPU_FLAGS, "").strip().lower() or "auto"
+    if gpu_flags not in GPU_FLAG_MODES:
+        raise ConfigError(f"{BLINK_GPU_FLAGS}: expected one of {', '.join(GPU_FLAG_MODES)}, got {env[BLINK_GPU_FLAGS]!r}")
     return Config(
         enable=_flag(env, BLINK_ENABLE),
         topology=env.get(BLINK_TOPOLOGY, "").strip() or None,
@@ -156,4 +169,5 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         stall_check_seconds=_seconds(env, BLINK_STALL_CHECK_SECONDS, DEFAULT_STALL_CHECK_SECONDS),
         log_level=level,
         fault=env.get(BLINK_FAULT, "").strip() or None,
+        gpu_flags=gpu_flags,
     )
