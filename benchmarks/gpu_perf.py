@@ -196,11 +196,12 @@ def run_threads(args) -> int:
 
     results: list = [None] * n
     errors: list = []
+    servers: list = [None] * n
 
     def main_of(r: int) -> None:
         srv = None
         try:
-            srv = GpuServer(r, n, "threads", [os.getpid()] * n, timeout=120.0, planner=lambda c, q: plans[(c, q)],
+            srv = servers[r] = GpuServer(r, n, "threads", [os.getpid()] * n, timeout=120.0, planner=lambda c, q: plans[(c, q)],
                             transport=world.transport(r),
                             cuda=SameProcessCuda(0, flag_ops=mode_flags))
             comm = _Comm(lambda obj: bcast(obj, r), bar.wait, lambda x, op: allreduce(x, op, r))
@@ -218,6 +219,9 @@ def run_threads(args) -> int:
         t.start()
     for t in threads:
         t.join()
+    for srv in servers:
+        if srv is not None:
+            srv.ex.cuda.release_deferred()  # every rank closed: nothing runs any more
     if errors:
         import traceback
 

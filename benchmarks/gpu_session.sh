@@ -16,7 +16,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export BLINK_TIMEOUT_SECONDS=${BLINK_TIMEOUT_SECONDS:-60}
 START=$(date +%s)
-BUDGET=${BUDGET:-430}
+BUDGET=${BUDGET:-520}
 STEPS=${STEPS:-all}
 PY=${PY:-python3}
 MPI=(mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE
@@ -83,7 +83,7 @@ mps() {
 }
 step mps 45 mps
 cp /tmp/mps-n2.json "$R/" 2>/dev/null
-step gputests 70 $PY -m pytest -v -p no:cacheprovider -rs -s tests/parallel/test_gpu_collectives.py \
+step gputests 100 $PY -m pytest -v -p no:cacheprovider -rs -s tests/parallel/test_gpu_collectives.py \
     -k "killed or host_time"
 step threads-bcast 25 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 16 -n 5 --collective broadcast --dtype float32 \
     --topology dgx1v --json "$R/threads-bcast.json" --time-limit 20

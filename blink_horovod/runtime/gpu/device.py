@@ -312,3 +312,18 @@ class SameProcessCuda(Cuda):
     def ipc_close(self, ptr: int) -> None:
         pass  # the owner frees it
 
+    def __init__(self, device: int, flag_ops: str = "kernel") -> None:
+        super().__init__(device, flag_ops)
+        self._deferred: list[int] = []
+
+    def free(self, ptr: int) -> None:
+        """Deferred until :meth:`release_deferred`: ``cudaFree`` waits for the whole context, so a
+        rank freeing its old buffer generation would wait for peer threads' graphs that wait for this
+        rank's next launch (a deadlock processes cannot have: each has its own context)."""
+        self._deferred.append(ptr)
+
+    def release_deferred(self) -> None:
+        for ptr in self._deferred:
+            super().free(ptr)
+        self._deferred.clear()
+
