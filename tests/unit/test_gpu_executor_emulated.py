@@ -254,3 +254,17 @@ def test_graph_cache_eviction_keeps_results_right() -> None:
 
     for ok, kept in run_emulated(n, body):
         assert all(ok) and kept <= 6
+
+
+def test_flag_mode_follows_sharing_and_mps(tmp_path) -> None:
+    """BLINK_GPU_FLAGS=auto: stream memory operations only where processes are time-sliced on a GPU."""
+    from blink_horovod.errors import ConfigError
+    from blink_horovod.runtime.gpu.executor import flag_mode, mps_active
+
+    assert flag_mode("auto", 4, 4) == "kernel"
+    assert flag_mode("kernel", 4, 1) == "kernel" and flag_mode("memop", 2, 2) == "memop"
+    assert not mps_active({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})
+    (tmp_path / "control").write_text("")
+    assert mps_active({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})
+    with pytest.raises(ConfigError, match="BLINK_GPU_FLAGS"):
+        flag_mode("spin", 2, 1)
