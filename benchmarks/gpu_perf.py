@@ -204,6 +204,14 @@ def run_threads(args) -> int:
             srv = servers[r] = GpuServer(r, n, "threads", [os.getpid()] * n, timeout=120.0, planner=lambda c, q: plans[(c, q)],
                             transport=world.transport(r),
                             cuda=SameProcessCuda(0, flag_ops=mode_flags))
+            # Load every CUDA module before any rank launches: loading a module may wait for the whole
+            # context, i.e. for peer threads' graphs that wait for this rank's first launch.
+            if srv.ex.cuda.flag_ops == "kernel":
+                srv.ex.cuda._flag_kernels()
+            for dt in (GPU_DTYPES if args.dtype == "all" else tuple(args.dtype.split(","))):
+                srv.ex._module(dt)
+            srv.ex.cuda.synchronize()
+            bar.wait()
             comm = _Comm(lambda obj: bcast(obj, r), bar.wait, lambda x, op: allreduce(x, op, r))
             results[r] = bench(args, r, n, srv, plans, comm, "threads of one process")
         except BaseException as exc:  # noqa: BLE001 - reported below
