@@ -139,6 +139,16 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def _fault(env: Mapping[str, str]) -> str | None:
+    """``BLINK_FAULT``, validated here so a typo fails at start, not at the first collective."""
+    raw = env.get(BLINK_FAULT, "").strip() or None
+    if raw is not None:
+        from .runtime.faults import parse_fault  # pure parsing; no runtime state
+
+        parse_fault(raw)
+    return raw
+
+
 def load_config(env: Mapping[str, str] | None = None) -> Config:
     """Read and validate every ``BLINK_*`` variable of ``env`` (default ``os.environ``).
 
@@ -168,6 +178,6 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         timeout_seconds=_seconds(env, BLINK_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS),
         stall_check_seconds=_seconds(env, BLINK_STALL_CHECK_SECONDS, DEFAULT_STALL_CHECK_SECONDS),
         log_level=level,
-        fault=env.get(BLINK_FAULT, "").strip() or None,
+        fault=_fault(env),
         gpu_flags=gpu_flags,
     )
