@@ -450,35 +450,48 @@ class _Row:
     cpu_us: float | None = None  # mean over ranks of CPU time per iteration (process_time: all threads)
 
 
-def _measure(job: _Job, a: _Args, impl: str, dtype: str, op: str, size: int) -> _Row:
+def _rounds(a: _Args) -> list[int]:
+    """Timed iterations per round: with two implementations the timed loop alternates between them
+    in up to 5 rounds, so that both see the same machine (a shared host's load drifts within
+    seconds); one implementation runs its loop in one round, as nccl-tests does."""
+    k = min(a.iters, 5) if len(a.impls) > 1 else 1
+    return [a.iters // k + (1 if i < a.iters % k else 0) for i in range(k)]
+
+
+def _measure(job: _Job, a: _Args, dtype: str, op: str, size: int) -> dict[str, _Row]:
+    """One size through every implementation of ``a.impls``: check, warm up, time, check again."""
     from ..runtime.dtypes import numpy_dtype
     from ..runtime.verifiable import count_wrong, expected, make_input
 
     dt = numpy_dtype(dtype)
     count = size // dt.itemsize
     name = f"blink.perf.{a.collective}.{dtype}.{op}.{size}"
-    if impl == "blink":
-        step, barrier = _blink_step(job, a, dtype, op, name)
-    else:
-        step, barrier = _horovod_step(job, a, dtype, op, name)
-    ok = step is not None
-    ok = all(job.gather(ok))
-    if not ok:
-        return _Row(impl, size, count, dtype, op, None, None, None, None)
+    runs: dict[str, tuple[Callable[[np.ndarray], None], Callable[[], None]]] = {}
+    for impl in a.impls:
+        step, barrier = (_blink_step if impl == "blink" else _horovod_step)(job, a, dtype, op, name)
+        if all(job.gather(step is not None)):
+            runs[impl] = (step, barrier)
+    rows = {impl: _Row(impl, size, count, dtype, op, None, None, None, None) for impl in a.impls}
+    if not runs:
+        return rows
+    # The same data for every implementation: generated once, copied for each checked run.
     want = expected(dtype, job.size, count, op, a.collective, a.root) if a.check else None
+    data = make_input(dtype, job.size, job.rank, count, op, a.collective, a.root) if a.check else None
 
-    def checked_run() -> int:
-        y = make_input(dtype, job.size, job.rank, count, op, a.collective, a.root)
-        step(y)
+    def checked_run(impl: str) -> int:
+        y = data.copy()
+        runs[impl][0](y)
         return count_wrong(y, want, dtype)
 
     # Checked before timing (the first, cold programs) and after it (the tuned ones).
-    wrong = checked_run() if a.check else 0
+    wrong = {impl: checked_run(impl) if a.check else 0 for impl in runs}
     x = np.zeros(count, dt)
-    for _ in range(a.warmup):
-        step(x)
-    if impl == "blink" and job.comm is not None:
+    for impl, (step, _) in runs.items():
+        for _ in range(a.warmup):
+            step(x)
+    if "blink" in runs and job.comm is not None:
         # MIAD settles the chunk size during the first iterations; finish that before timing.
+        step = runs["blink"][0]
         if job.servers == 1 or a.collective == "broadcast":
             kinds = [a.collective]
         else:
@@ -487,32 +500,45 @@ def _measure(job: _Job, a: _Args, impl: str, dtype: str, op: str, size: int) -> 
         while extra < 40 and not all(job.gather(all(job.comm.tuning_converged(k, x.nbytes) for k in kinds))):
             step(x)
             extra += 1
-    barrier()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for _ in range(a.iters):
-        step(x)
-    elapsed = (time.perf_counter() - start) / a.iters
-    cpu = (time.process_time() - cpu_start) / a.iters
+    elapsed = dict.fromkeys(runs, 0.0)
+    cpu = dict.fromkeys(runs, 0.0)
+    order = list(runs)
+    for k, iters in enumerate(_rounds(a)):
+        # Alternate which implementation goes first, so that neither always follows the other.
+        for impl in order if k % 2 == 0 else order[::-1]:
+            step, barrier = runs[impl]
+            barrier()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            for _ in range(iters):
+                step(x)
+            elapsed[impl] += time.perf_counter() - start
+            cpu[impl] += time.process_time() - cpu_start
     if a.check:
-        wrong += checked_run()
-    stats = job.gather((elapsed, wrong, cpu))
-    slowest = max(t for t, _, _ in stats)
-    wrong_total = sum(w for _, w, _ in stats) if a.check else None
-    algbw = size / slowest / 1e9 if slowest > 0 else 0.0
-    return _Row(impl, size, count, dtype, op, slowest * 1e6, algbw, algbw * busbw_factor(a.collective, job.size),
-                wrong_total, sum(c for _, _, c in stats) / len(stats) * 1e6)
+        for impl in runs:
+            wrong[impl] += checked_run(impl)
+    for impl in runs:
+        stats = job.gather((elapsed[impl] / a.iters, wrong[impl], cpu[impl] / a.iters))
+        slowest = max(t for t, _, _ in stats)
+        algbw = size / slowest / 1e9 if slowest > 0 else 0.0
+        rows[impl] = _Row(impl, size, count, dtype, op, slowest * 1e6, algbw,
+                          algbw * busbw_factor(a.collective, job.size),
+                          sum(w for _, w, _ in stats) if a.check else None,
+                          sum(c for _, _, c in stats) / len(stats) * 1e6)
+    return rows
 
 
 # -- printing (nccl-tests' layout) -------------------------------------------------------------
 def _fmt_time(us: float) -> str:
-    return f"{us:7.2f}" if us < 1e4 else f"{us:7.0f}" if us < 1e7 else f"{us:7.1e}"
+    """nccl-tests' time column (``src/common.cu``): ``%7.0f`` from 10 ms, ``%7.1f`` from 100 us, else ``%7.2f``."""
+    return f"{us:7.0f}" if us >= 1e4 else f"{us:7.1f}" if us >= 100.0 else f"{us:7.2f}"
 
 
 def _group_cols(row: _Row | None, check: bool) -> str:
+    """One implementation's columns, nccl-tests' ``"  %7s  %6.2f  %6.2f  %5g"`` (``N/A``: not checked)."""
     if row is None or row.time_us is None:
         return f"  {'n/a':>7}  {'n/a':>6}  {'n/a':>6}  {'n/a':>5}"
-    wrong = str(row.wrong) if check else "N/A"
-    return f"  {_fmt_time(row.time_us)}  {row.algbw:6.2f}  {row.busbw:6.2f}  {wrong:>5}"
+    wrong = f"{float(row.wrong):5g}" if check and row.wrong is not None else f"{'N/A':>5}"
+    return f"  {_fmt_time(row.time_us)}  {row.algbw:6.2f}  {row.busbw:6.2f}  {wrong}"
 
 
 def _header(job: _Job, a: _Args, pids: list, hosts: list) -> list[str]:
@@ -536,11 +562,12 @@ def _header(job: _Job, a: _Args, pids: list, hosts: list) -> list[str]:
         lines.append(f"# Blink: topology {topo.name} ({topo.n} ranks per server), chunk size: {chunk}; "
                      f"types: {', '.join(NCCL_NAMES[d] for d in a.dtypes)}")
     lines.append("#")
+    # nccl-tests' three header lines (src/common.cu): group titles over 32-character column
+    # groups where nccl-tests writes out-of-place / in-place, then names and units.
     groups = a.impls
-    width = 36
-    title = "#" + " " * 55 + "".join(f"{g:^{width}}" for g in groups)
-    lines.append(title.rstrip())
-    cols = "".join(f"  {'time':>7}  {'algbw':>6}  {'busbw':>6}  {'#wrong':>5}" for _ in groups)
+    lead = f"# {'':>10}  {'':>12}  {'':>8}  {'':>6}  {'':>6}"
+    lines.append((lead + "".join(f"{g:^32}" for g in groups)).rstrip())
+    cols = "".join(f"  {'time':>7}  {'algbw':>6}  {'busbw':>6} {'#wrong':>6}" for _ in groups)
     units = "".join(f"  {'(us)':>7}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>5}" for _ in groups)
     lines.append(f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}{cols}")
     lines.append(f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}{units}")
@@ -610,7 +637,7 @@ def run(args: argparse.Namespace) -> int:
 
                     if size < numpy_dtype(dtype).itemsize:
                         continue
-                    measured = {impl: _measure(job, a, impl, dtype, op, size) for impl in a.impls}
+                    measured = _measure(job, a, dtype, op, size)
                     rows.extend(measured.values())
                     if job.rank == 0:
                         print(_row_line(a, measured), file=out, flush=True)
@@ -622,7 +649,9 @@ def run(args: argparse.Namespace) -> int:
             avgs = []
             for impl in a.impls:
                 bws = [r.busbw for r in rows if r.impl == impl and r.busbw is not None]
-                avgs.append(f"{sum(bws) / len(bws):.3f} ({impl})" if bws else f"n/a ({impl})")
+                avg = f"{sum(bws) / len(bws):g}" if bws else "n/a"
+                avgs.append(f"{avg} ({impl})" if len(a.impls) > 1 else avg)
+            # nccl-tests: "# %-20s : %g", one figure per implementation here.
             print(f"# Avg bus bandwidth    : {'  '.join(avgs)}", file=out)
             if len(a.impls) == 2:
                 for dtype in a.dtypes:

@@ -41,6 +41,7 @@ from . import metadata
 from .dtypes import numpy_dtype, reduce_to
 from .faults import FaultInjector
 from .placement import Placement, place, plain
+from .steps import BLOCK_BYTES, STEP_COPY, STEP_POST, Steps, fuse
 from .transport import STATE_ABORTED, W_STATE, Transport, WaitContext
 
 __all__ = ["Run", "Piece", "Executor"]
@@ -49,6 +50,7 @@ Run = tuple[int, int, int]  # (offset in the user's array, offset in the buffer,
 
 _COPY, _REDUCE, _POST = 0, 1, 2
 _PLACE = True  # direct placement; False only to measure what it saves
+_FUSE = True  # fused steps (runtime.steps); False only to measure what they save
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Piece:
 class _Lowered:
     program: Program
     placement: Placement
+    steps: Steps
     readers: list[int]
     nflags: int
 
@@ -158,14 +161,14 @@ class Executor:
                     user = arr[piece.direct : piece.direct + lw.program.count]
                     for a, b in pl.stage_in:
                         own[a:b] = user[a:b]
-                    self._run(pl, views, user, dtype, op, ctx)
+                    stage_out = self._run(lw, views, user, dtype, op, ctx)
                     self.t.post_done(self.epoch)
-                    for a, b in pl.stage_out:
+                    for a, b in stage_out:
                         user[a:b] = own[a:b]
                 else:
                     for a, b, n in piece.stage_in:
                         own[b : b + n] = arr[a : a + n]
-                    self._run(pl, views, own, dtype, op, ctx)
+                    self._run(lw, views, own, dtype, op, ctx)
                     self.t.post_done(self.epoch)
                     for a, b, n in piece.stage_out:
                         arr[a : a + n] = own[b : b + n]
@@ -288,15 +291,65 @@ class Executor:
         else:
             placement = plain(program, self.rank, True, True)
         nflags = max(program.nflags) if program.nflags else 0
-        lw = _Lowered(program, placement, sorted(program.readers()[self.rank]), nflags)
+        lw = _Lowered(program, placement, fuse(placement), sorted(program.readers()[self.rank]), nflags)
         if len(self._lowered) > 4096:
             self._lowered.clear()
         self._lowered[key] = lw
         return lw
 
-    def _run(self, pl: Placement, views: list[np.ndarray], user: np.ndarray, dtype: str, op: str,
-             ctx: WaitContext) -> None:
-        """Execute the ops; values live in the own shared buffer or in ``user`` as placed."""
+    def _run(self, lw: _Lowered, views: list[np.ndarray], user: np.ndarray, dtype: str, op: str,
+             ctx: WaitContext) -> tuple[tuple[int, int], ...]:
+        """Execute the rank's ops; returns the regions to copy out of the shared buffer afterwards.
+
+        Values live in the own shared buffer or in ``user`` as placed.  The
+        fused steps (:mod:`blink_horovod.runtime.steps`) run unless a fault
+        injector counts chunk operations one by one (BLINK_FAULT, tests).
+        """
+        if self.faults is not None or not _FUSE:
+            self._run_ops(lw.placement, views, user, dtype, op, ctx)
+            return lw.placement.stage_out
+        t, epoch = self.t, self.epoch
+        where = (views[self.rank], user)  # indexed by SHARED (0) / USER (1)
+        base = t.flag_base
+        load = t.load
+        block = max(1, BLOCK_BYTES // views[self.rank].itemsize)
+        for s in lw.steps.steps:
+            if s.kind == STEP_POST:
+                t.store(base + s.flags[0], epoch)
+                continue
+            for peer, flag in zip(s.peers, s.flags):
+                if load(peer, base + flag) < epoch:
+                    t.wait_words((peer,), base + flag, epoch, ctx, f"flag {flag}")
+            start, stop = s.start, s.stop
+            dst = where[s.dst_loc]
+            if s.kind == STEP_COPY:
+                src = views[s.peers[0]]
+                if not s.dual:
+                    dst[start:stop] = src[start:stop]
+                else:
+                    for a in range(start, stop, block):
+                        b = min(stop, a + block)
+                        dst[a:b] = src[a:b]
+                        user[a:b] = dst[a:b]
+            elif len(s.peers) == 1 and not s.dual:
+                reduce_to(dst[start:stop], where[s.src_loc][start:stop], views[s.peers[0]][start:stop], op, dtype)
+            else:
+                src = where[s.src_loc]
+                first, rest = views[s.peers[0]], [views[p] for p in s.peers[1:]]
+                for a in range(start, stop, block):
+                    b = min(stop, a + block)
+                    d = dst[a:b]
+                    reduce_to(d, src[a:b], first[a:b], op, dtype)
+                    for peer_view in rest:
+                        reduce_to(d, d, peer_view[a:b], op, dtype)
+                    if s.dual:
+                        user[a:b] = d
+            self.chunk_ops += s.ops
+        return lw.steps.stage_out
+
+    def _run_ops(self, pl: Placement, views: list[np.ndarray], user: np.ndarray, dtype: str, op: str,
+                 ctx: WaitContext) -> None:
+        """Execute the placed ops one by one (the unfused path)."""
         t, epoch, faults = self.t, self.epoch, self.faults
         where = (views[self.rank], user)  # indexed by SHARED (0) / USER (1)
         base = t.flag_base

@@ -16,12 +16,14 @@ differs per rank:
   partial product is one of -2, -1, 1, 2;
 * broadcast: the root's pattern; other ranks start from a different one.
 
-The expected result is computed in int64, and averages with
+The expected result is computed in int64 and cast to the dtype (exactly), averages with
 :func:`~blink_horovod.runtime.dtypes.finish_average`, the runtime's (and
 Horovod's) own arithmetic on the exact sum.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -48,10 +50,24 @@ def exact_limit(dtype: str) -> int:
     return _LIMIT[dtype]
 
 
-def _pattern(i: np.ndarray, salt: int, lo: int, hi: int) -> np.ndarray:
-    """Integers in [lo, hi], scrambled from the index (Knuth's multiplicative hash)."""
-    span = hi - lo + 1
-    return lo + ((i * 2654435761 + salt * 40503) % (1 << 32)) % span
+_BLOCK = 1 << 18  # elements generated at a time: the uint32 temporaries stay in cache
+_K = np.uint32(2654435761)
+_IK = np.arange(_BLOCK, dtype=np.uint32) * _K  # i * K mod 2^32 for i in one block (wraps: uint32)
+
+
+def _pattern(a: int, m: int, salt: int, lo: int, hi: int) -> np.ndarray:
+    """Integers in [lo, hi] for indices ``a .. a+m-1``, scrambled from the index (Knuth's
+    multiplicative hash): ``lo + ((i * 2654435761 + salt * 40503) mod 2^32) mod (hi - lo + 1)``.
+
+    The product is formed modulo 2^32 in uint32 arithmetic (exact for i < 2^32): one add per
+    element on a precomputed ``i * K``, and a modulo.
+    """
+    span = np.uint32(hi - lo + 1)
+    h = _IK[:m] + np.uint32((a * 2654435761 + salt * 40503) % (1 << 32))
+    h %= span
+    out = h.view(np.int32)  # values below 2^31: the same numbers
+    out += np.int32(lo)
+    return out
 
 
 def _params(dtype: str, n: int) -> tuple[int, int]:
@@ -62,58 +78,82 @@ def _params(dtype: str, n: int) -> tuple[int, int]:
     return bmax, s
 
 
-def _values(dtype: str, n: int, rank: int, count: int, op: str, collective: str, root: int) -> np.ndarray:
-    i = np.arange(count, dtype=np.int64)
+def _values(dtype: str, n: int, rank: int, a: int, m: int, op: str, collective: str, root: int) -> np.ndarray:
+    """Rank ``rank``'s input at indices ``a .. a+m-1`` (int32): the module docstring's recipe."""
     signed = dtype in _SIGNED
     if collective == "broadcast":
         top = min(_LIMIT[dtype], 100)
         who = root if rank == root else rank + 1000
-        return _pattern(i, who, -top if signed else 0, top)
+        return _pattern(a, m, who, -top if signed else 0, top)
     if op in ("sum", "average"):
         bmax, s = _params(dtype, n)
-        b = _pattern(i, 7, -bmax if signed else s, bmax if bmax >= s or signed else s)
-        d = np.where(i % n == rank, s, 0) - np.where((i + 1) % n == rank, s, 0) if n > 1 else np.zeros_like(i)
-        return b + d
+        v = _pattern(a, m, 7, -bmax if signed else s, bmax if bmax >= s or signed else s)
+        if n > 1:
+            v[(rank - a) % n :: n] += s  # i = rank (mod n)
+            v[(rank - 1 - a) % n :: n] -= s  # i + 1 = rank (mod n)
+        return v
     if op in ("min", "max"):
         top = min(_LIMIT[dtype], 100)
-        return _pattern(i, rank + 11, -top if signed else 0, top)
-    # product
-    v = np.ones(count, dtype=np.int64)
+        return _pattern(a, m, rank + 11, -top if signed else 0, top)
+    # product: -1 where i*7 + rank*3 = 0 (mod 5), i.e. i = rank (mod 5); 2 where i = rank (mod n)
+    v = np.ones(m, dtype=np.int32)
     if signed:
-        v[((i * 7 + rank * 3) % 5) == 0] = -1
-    v[(i % n) == rank] = 2
+        v[(rank - a) % 5 :: 5] = -1
+    v[(rank - a) % n :: n] = 2
     return v
 
 
-def _cast(values: np.ndarray, dtype: str) -> np.ndarray:
+def _expected_block(dtype: str, n: int, a: int, m: int, op: str, collective: str, root: int) -> np.ndarray:
+    """The exact result at indices ``a .. a+m-1`` (int32: every |value| is below 2^21; averages
+    before the division)."""
+    if collective == "broadcast":
+        return _values(dtype, n, root, a, m, op, collective, root)
+    if op in ("sum", "average"):
+        # The perturbations sum to zero over the ranks: the sum is n * b(i).
+        bmax, s = _params(dtype, n)
+        signed = dtype in _SIGNED
+        return np.int32(n) * _pattern(a, m, 7, -bmax if signed else s, bmax if bmax >= s or signed else s)
+    fn = {"min": np.minimum, "max": np.maximum, "product": np.multiply}[op]
+    acc = _values(dtype, n, 0, a, m, op, collective, root)
+    for r in range(1, n):
+        fn(acc, _values(dtype, n, r, a, m, op, collective, root), out=acc)
+    return acc
+
+
+def _cast_into(out: np.ndarray, values: np.ndarray, dtype: str) -> None:
     if dtype == "bfloat16" and not HAVE_ML_DTYPES:
-        return f32_to_bf16(values.astype(np.float32))
-    if dtype == "bfloat16":
-        return values.astype(np.float32).astype(numpy_dtype(dtype))
-    return values.astype(numpy_dtype(dtype))
+        out[...] = f32_to_bf16(values.astype(np.float32))
+    elif dtype == "bfloat16":
+        out[...] = values.astype(np.float32).astype(out.dtype)
+    else:
+        out[...] = values
+
+
+def _fill(dtype: str, count: int, block: Callable[[int, int], np.ndarray]) -> np.ndarray:
+    out = np.empty(count, numpy_dtype(dtype))
+    for a in range(0, count, _BLOCK):
+        m = min(_BLOCK, count - a)
+        _cast_into(out[a : a + m], block(a, m), dtype)
+    return out
 
 
 def make_input(dtype: str, n: int, rank: int, count: int, op: str = "sum", collective: str = "allreduce",
                root: int = 0) -> np.ndarray:
     """Rank ``rank``'s input of ``count`` elements (``n`` ranks in the reduction)."""
-    return _cast(_values(dtype, n, rank, count, op, collective, root), dtype)
+    return _fill(dtype, count, lambda a, m: _values(dtype, n, rank, a, m, op, collective, root))
 
 
 def expected(dtype: str, n: int, count: int, op: str = "sum", collective: str = "allreduce",
              root: int = 0) -> np.ndarray:
-    """The exact result every rank must hold, as float64."""
-    if collective == "broadcast":
-        return _values(dtype, n, root, count, op, collective, root).astype(np.float64)
-    xs = [_values(dtype, n, r, count, op, collective, root) for r in range(n)]
-    if op in ("sum", "average"):
-        total = np.sum(xs, axis=0)
-        if op == "average":
-            out = _cast(total, dtype)
-            finish_average(out, n, dtype)
-            return to_float64(out, dtype)
-        return total.astype(np.float64)
-    fn = {"min": np.minimum, "max": np.maximum, "product": np.multiply}[op]
-    return fn.reduce(xs).astype(np.float64)
+    """The exact result every rank must hold, in ``dtype`` (every value is exactly representable).
+
+    Averages go through :func:`~blink_horovod.runtime.dtypes.finish_average`,
+    the runtime's (and Horovod's) own arithmetic, on the exact sum.
+    """
+    out = _fill(dtype, count, lambda a, m: _expected_block(dtype, n, a, m, op, collective, root))
+    if collective != "broadcast" and op == "average":
+        finish_average(out, n, dtype)
+    return out
 
 
 def to_float64(arr: np.ndarray, dtype: str) -> np.ndarray:
@@ -125,6 +165,21 @@ def to_float64(arr: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def count_wrong(result: np.ndarray, want: np.ndarray, dtype: str) -> int:
-    """Elements of ``result`` that differ from ``want`` (NaN counts as wrong)."""
-    got = to_float64(result.reshape(-1), dtype)
-    return int(np.count_nonzero(~(got == want)))
+    """Elements of ``result`` that differ from ``want`` (:func:`expected`); NaN counts as wrong.
+
+    Compared by value, block by block (bfloat16 stored as uint16 through float32, so that
+    ``-0 == +0`` as for every other float type).
+    """
+    got, want = result.reshape(-1), want.reshape(-1)
+    if got.size != want.size:
+        raise ValueError(f"count_wrong: result has {got.size} elements, expected {want.size}")
+    bits = dtype == "bfloat16" and got.dtype == np.uint16
+    wrong = 0
+    for a in range(0, got.size, _BLOCK):
+        x, y = got[a : a + _BLOCK], want[a : a + _BLOCK]
+        if bits:
+            from .dtypes import bf16_to_f32
+
+            x, y = bf16_to_f32(x), bf16_to_f32(y)
+        wrong += int(np.count_nonzero(x != y))  # NaN != NaN: wrong
+    return wrong

@@ -68,7 +68,9 @@ def test_every_dtype_and_op_exact_on_three_ranks(tmp_path) -> None:
     for rc, so, se in outs:
         assert rc == 0, se
     text = outs[0][1]
-    assert "#       size         count      type   redop    root     time   algbw   busbw  #wrong" in text
+    # nccl-tests' header and row layout (src/common.cu), to the character.
+    assert "#       size         count      type   redop    root     time   algbw   busbw #wrong" in text
+    assert "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)       " in text
     rows = rows_of(text)
     assert len(rows) == 9 * 5 * 3 - 2 * 5  # 4-byte messages hold no 8-byte element: double, int64 skip it
     assert all(r[-1] == "0" for r in rows)
