@@ -17,6 +17,13 @@ what the others cannot: a timeout on every ``allgather``/``barrier``, naming
 the ranks that did not arrive, and no traffic off the server.  Round files
 are deleted one round later (every rank has read them by then) and the
 directory on :meth:`close`.
+
+A job killed whole (every rank SIGKILLed) leaves its folder behind: nobody is
+left to close it.  Each rank therefore writes a plain-text ``owner-R`` file
+(its pid, host and pid namespace) when it joins, and every new job's
+rendezvous sweeps ``blink-rdv-*`` folders of this user in which every owner
+is provably dead (:func:`sweep_stale_rendezvous`), the way the shared-memory
+transport sweeps ``/dev/shm`` (:func:`blink_horovod.runtime.shm.sweep_stale_segments`).
 """
 
 from __future__ import annotations
@@ -35,7 +42,10 @@ from ..config import BLINK_LOCAL_SIZE, Config, load_config
 from ..errors import BlinkInternalError, BlinkTimeoutError, ConfigError
 from .transport import pid_alive
 
-__all__ = ["Rendezvous", "FileRendezvous", "from_horovod", "from_mpi", "single", "new_job_id"]
+__all__ = ["Rendezvous", "FileRendezvous", "from_horovod", "from_mpi", "single", "new_job_id",
+           "sweep_stale_rendezvous", "RDV_PREFIX"]
+
+RDV_PREFIX = "blink-rdv-"
 
 log = logging.getLogger("blink_horovod.runtime")
 
@@ -119,6 +129,7 @@ class FileRendezvous(Rendezvous):
         self._job = job_id
         self._pids: list[int] | None = None
         os.makedirs(directory, exist_ok=True)
+        _write_owner(directory, rank)
 
     def _file(self, rnd: int, rank: int) -> str:
         return os.path.join(self.dir, f"round{rnd}-rank{rank}.pkl")
@@ -223,7 +234,83 @@ class FileRendezvous(Rendezvous):
 
 
 def _job_dir(job: str) -> str:
-    return os.path.join(tempfile.gettempdir(), f"blink-rdv-{job}")
+    return os.path.join(tempfile.gettempdir(), f"{RDV_PREFIX}{job}")
+
+
+# -- sweeping folders of jobs killed whole ---------------------------------------------
+def _namespace() -> str:
+    """This host and pid namespace: pids are only comparable within one (containers share /tmp)."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = "-"
+    return f"{socket.gethostname()} {ns}"
+
+
+def _write_owner(directory: str, rank: int) -> None:
+    """``owner-RANK``: ``PID HOST NAMESPACE``, written atomically (a reader never sees half)."""
+    path = os.path.join(directory, f"owner-{rank}")
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(f"{os.getpid()} {_namespace()}\n")
+        os.replace(tmp, path)
+    except OSError:  # pragma: no cover - the folder's allgathers will report a real problem
+        pass
+
+
+def _owners_dead(folder: str, here: str) -> bool:
+    """True only if ``folder`` has owner files, all of this namespace, all of dead processes."""
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith("owner-") and ".tmp" not in n]
+    except OSError:
+        return False
+    if not names:
+        return False  # made by a rank that has not written its owner yet (or not ours): leave it
+    for name in names:
+        try:
+            with open(os.path.join(folder, name)) as fh:
+                pid_text, _, where = fh.read().strip().partition(" ")
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            return False
+        if where != here or pid_alive(pid):
+            return False
+    return True
+
+
+def sweep_stale_rendezvous(parent: str | None = None, keep: str | None = None) -> list[str]:
+    """Remove ``blink-rdv-*`` folders (of this user, in ``parent``) whose owners are all dead.
+
+    Safe by construction: a folder is removed only when it has ``owner-R``
+    files and every one names a process of this host and pid namespace that
+    no longer runs (a live job's ranks all run; a folder whose ranks have not
+    written an owner file yet, or of another container sharing ``/tmp``, is
+    left alone).  ``keep``: a folder never to touch (the caller's own).
+    Returns the folders removed.
+    """
+    parent = parent or tempfile.gettempdir()
+    here = _namespace()
+    removed = []
+    try:
+        entries = [e for e in os.scandir(parent) if e.name.startswith(RDV_PREFIX)]
+    except OSError:
+        return removed
+    for entry in entries:
+        path = entry.path
+        if keep is not None and os.path.abspath(path) == os.path.abspath(keep):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if _owners_dead(path, here):
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.exists(path):
+                removed.append(path)
+                log.info("rendezvous: removed %s, left by a job whose ranks all died", path)
+    return removed
 
 
 def _group(rank: int, size: int, local_rank: int, local_size: int, cfg: Config) -> tuple[int, int, int]:
@@ -241,6 +328,7 @@ class _Delegating(FileRendezvous):
 
     def __init__(self, rank: int, size: int, local_rank: int, local_size: int, job: str, server: int, servers: int,
                  cfg: Config) -> None:
+        sweep_stale_rendezvous(keep=_job_dir(job))  # folders of jobs killed whole, before making ours
         super().__init__(_job_dir(job), local_rank, local_size, cfg.timeout_seconds, job, cfg.stall_check_seconds)
         self.rank, self.size = rank, size
         self.server, self.servers = server, servers
