@@ -11,7 +11,7 @@ this script runs it for
   channel, so hybrid plans, and a GPU pair without a direct link, so even
   small messages go through the trees),
 * allreduce (every op of ``-o all``: sum, average, min, max, product) and
-  broadcast (root 0, ``-r`` to change),
+  broadcast (from root 0 and from root 3, ``--roots``),
 * every dtype (``-d all``: float, double, half, bfloat16, int32, int64, int8,
   uint8, int16),
 
@@ -51,12 +51,14 @@ def random_machine_file(folder: Path) -> Path:
     return path
 
 
-def perf_command(args: argparse.Namespace, collective: str, json_path: Path) -> list[str]:
+def perf_command(args: argparse.Namespace, collective: str, json_path: Path, root: int = 0) -> list[str]:
     cmd = [str(VENV / "blinkrun"), "-np", str(args.np), "-H", f"localhost:{args.np}", *args.launcher_args,
            str(VENV / "blink"), "perf", "--impl", args.impl, "-b", args.minbytes, "-e", args.maxbytes, "-f",
            args.factor, "-c", "1", "--collective", collective, "-d", args.dtypes, "--json", str(json_path)]
     if collective == "allreduce":
         cmd += ["-o", args.ops]
+    else:
+        cmd += ["-r", str(root)]
     if args.iters:
         cmd += ["-n", str(args.iters)]
     if args.warmup is not None:
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-f", "--factor", default="4")
     p.add_argument("-d", "--dtypes", default="all")
     p.add_argument("-o", "--ops", default="all")
+    p.add_argument("--roots", default="0,3", help="broadcast roots, one run each (default 0,3)")
     p.add_argument("-n", "--iters", type=int, default=None, help="timed iterations (default: perf's, 20)")
     p.add_argument("-w", "--warmup", type=int, default=None, help="warm-up iterations (default: perf's, 5)")
     p.add_argument("--launcher-args", default="--gloo",
@@ -110,12 +113,15 @@ def main(argv: list[str] | None = None) -> int:
             env["BLINK_TOPOLOGY"] = str(random_machine_file(out))
         elif topo != "flat":
             env["BLINK_TOPOLOGY"] = topo
-        for coll in args.collectives.split(","):
-            tag = f"{topo.replace(':', '_').replace(',', '')}-{coll}"
+        runs = [(c, 0) for c in args.collectives.split(",") if c == "allreduce"]
+        runs += [(c, int(r)) for c in args.collectives.split(",") if c == "broadcast" for r in args.roots.split(",")]
+        for coll, root in runs:
+            what = coll if coll == "allreduce" else f"{coll} root {root}"
+            tag = f"{topo.replace(':', '_').replace(',', '')}-{coll}" + ("" if coll == "allreduce" else f"-r{root}")
             js, log = out / f"{tag}.json", out / f"{tag}.log"
-            cmd = perf_command(args, coll, js)
+            cmd = perf_command(args, coll, js, root)
             start = time.monotonic()
-            print(f"[cpu_matrix] {topo} {coll}: {' '.join(cmd)}", flush=True)
+            print(f"[cpu_matrix] {topo} {what}: {' '.join(cmd)}", flush=True)
             with open(log, "w") as fh:
                 try:
                     rc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                     rc = 124
             seconds = time.monotonic() - start
             rows = json.loads(js.read_text())["rows"] if js.exists() else []
-            run = {"topology": topo, "collective": coll, "exit": rc, "seconds": round(seconds, 1),
+            run = {"topology": topo, "collective": what, "exit": rc, "seconds": round(seconds, 1),
                    "env_topology": env.get("BLINK_TOPOLOGY"), "command": cmd, "summary": summarise(rows)}
             summary["runs"].append(run)
             failed += rc != 0 or any(s["wrong"] for s in run["summary"].values()) or not rows
