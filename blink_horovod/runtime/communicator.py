@@ -308,17 +308,17 @@ class Communicator:
                     finish_average(flat, n, dtype)
                 return arr
             piece = max(1, MAX_PIECE_BYTES // flat.dtype.itemsize)
+            # The executor divides an average where each sum is final (runtime.steps).
+            average = n if op == "average" else 0
 
             def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
                 out = []
                 for a in range(0, flat.size, piece):
                     cnt = min(piece, flat.size - a)
-                    out.append(Piece(self.program(plan, digest, cnt, chunk, "allreduce"), direct=a))
+                    out.append(Piece(self.program(plan, digest, cnt, chunk, "allreduce"), direct=a, average=average))
                 return out
 
             self._run("allreduce", name, arr, flat, dtype, op, None, ("allreduce", None), pieces)
-            if op == "average":
-                finish_average(flat, n, dtype)
         return arr
 
     def broadcast(self, arr: np.ndarray, root: int = 0, name: str | None = None) -> np.ndarray:

@@ -207,5 +207,8 @@ def finish_average(arr: np.ndarray, n: int, dtype: str) -> None:
     elif arr.dtype.kind == "f" or dtype == "bfloat16":
         np.divide(arr, n, out=arr, casting="unsafe")
     else:
-        # Horovod's CPU ScaleBuffer: value * (1.0 / n) in double, truncated on the way back.
-        arr[...] = np.trunc(arr.astype(np.float64) * (1.0 / n)).astype(arr.dtype)
+        # Horovod's CPU ScaleBuffer: value * (1.0 / n) in double, truncated on the way back
+        # (one float64 temporary, operated on in place).
+        tmp = np.multiply(arr, 1.0 / n, dtype=np.float64)
+        np.trunc(tmp, out=tmp)
+        np.copyto(arr, tmp, casting="unsafe")

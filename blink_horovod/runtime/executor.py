@@ -38,7 +38,7 @@ import numpy as np
 from ..errors import BlinkInternalError
 from ..schedule.program import Program
 from . import metadata
-from .dtypes import numpy_dtype, reduce_to
+from .dtypes import finish_average, numpy_dtype, reduce_to
 from .faults import FaultInjector
 from .placement import Placement, place, plain
 from .steps import BLOCK_BYTES, STEP_COPY, STEP_POST, Steps, fuse
@@ -62,7 +62,10 @@ class Piece:
     places values itself (:mod:`blink_horovod.runtime.placement`), told by
     ``has_input``/``wants_output`` whether this rank contributes an input and
     receives the result; or ``stage_in``/``stage_out`` list runs copied in
-    before and out after the program (the hierarchical stages).
+    before and out after the program (the hierarchical stages).  ``average``
+    (direct allreduce pieces): the executor turns the sum into the average
+    over that many ranks, where each region's sum is final (runtime.steps),
+    or over the whole piece afterwards.
     """
 
     program: Program
@@ -71,6 +74,7 @@ class Piece:
     direct: int | None = None
     has_input: bool = True
     wants_output: bool = True
+    average: int = 0  # > 0: the op is average over this many ranks: divide each final sum once
 
 
 @dataclass
@@ -161,15 +165,19 @@ class Executor:
                     user = arr[piece.direct : piece.direct + lw.program.count]
                     for a, b in pl.stage_in:
                         own[a:b] = user[a:b]
-                    stage_out = self._run(lw, views, user, dtype, op, ctx)
+                    stage_out, averaged = self._run(lw, views, user, dtype, op, ctx, piece.average)
                     self.t.post_done(self.epoch)
                     for a, b in stage_out:
                         user[a:b] = own[a:b]
+                    if piece.average and not averaged:
+                        finish_average(user, piece.average, dtype)
                 else:
                     for a, b, n in piece.stage_in:
                         own[b : b + n] = arr[a : a + n]
                     self._run(lw, views, own, dtype, op, ctx)
                     self.t.post_done(self.epoch)
+                    if piece.average:
+                        raise BlinkInternalError("average is divided by the caller of the hierarchical stages")
                     for a, b, n in piece.stage_out:
                         arr[a : a + n] = own[b : b + n]
                 prev = lw
@@ -298,16 +306,17 @@ class Executor:
         return lw
 
     def _run(self, lw: _Lowered, views: list[np.ndarray], user: np.ndarray, dtype: str, op: str,
-             ctx: WaitContext) -> tuple[tuple[int, int], ...]:
-        """Execute the rank's ops; returns the regions to copy out of the shared buffer afterwards.
+             ctx: WaitContext, average: int = 0) -> tuple[tuple[tuple[int, int], ...], bool]:
+        """Execute the rank's ops; returns (regions to copy out of the shared buffer afterwards,
+        whether the average was divided where each sum became final).
 
         Values live in the own shared buffer or in ``user`` as placed.  The
         fused steps (:mod:`blink_horovod.runtime.steps`) run unless a fault
         injector counts chunk operations one by one (BLINK_FAULT, tests).
         """
-        if self.faults is not None or not _FUSE:
+        if self.faults is not None or not _FUSE or (average and not lw.placement.direct):
             self._run_ops(lw.placement, views, user, dtype, op, ctx)
-            return lw.placement.stage_out
+            return lw.placement.stage_out, False
         t, epoch = self.t, self.epoch
         where = (views[self.rank], user)  # indexed by SHARED (0) / USER (1)
         base = t.flag_base
@@ -332,7 +341,10 @@ class Executor:
                         dst[a:b] = src[a:b]
                         user[a:b] = dst[a:b]
             elif len(s.peers) == 1 and not s.dual:
-                reduce_to(dst[start:stop], where[s.src_loc][start:stop], views[s.peers[0]][start:stop], op, dtype)
+                d = dst[start:stop]
+                reduce_to(d, where[s.src_loc][start:stop], views[s.peers[0]][start:stop], op, dtype)
+                if average and s.final:
+                    finish_average(d, average, dtype)
             else:
                 src = where[s.src_loc]
                 first, rest = views[s.peers[0]], [views[p] for p in s.peers[1:]]
@@ -342,10 +354,12 @@ class Executor:
                     reduce_to(d, src[a:b], first[a:b], op, dtype)
                     for peer_view in rest:
                         reduce_to(d, d, peer_view[a:b], op, dtype)
+                    if average and s.final:
+                        finish_average(d, average, dtype)
                     if s.dual:
                         user[a:b] = d
             self.chunk_ops += s.ops
-        return lw.steps.stage_out
+        return lw.steps.stage_out, True
 
     def _run_ops(self, pl: Placement, views: list[np.ndarray], user: np.ndarray, dtype: str, op: str,
                  ctx: WaitContext) -> None:

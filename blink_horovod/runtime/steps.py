@@ -21,6 +21,17 @@ exist), and two passes are left after placement that are not needed:
   region writes both, block by block, while the block is in cache
   (``dual``), and the region leaves the copy-out list.
 
+* **Averages divided where they are made.**  ``average`` is a sum divided
+  by the rank count.  Dividing every rank's whole result afterwards costs
+  each rank a pass over the whole message (expensive for 16-bit floats and
+  integers, whose division widens); the reduction that is a region's last
+  write on a rank is that region's final sum (a tree root of an allreduce:
+  every other rank only copies it down), so the executor divides there,
+  block by block while it is in cache, and the copies carry the average.
+  Each element is divided exactly once, by the same arithmetic
+  (:func:`~blink_horovod.runtime.dtypes.finish_average`), so the bits are
+  those of dividing afterwards.
+
 Why it is exact: no post of this rank falls inside a fused chain (the ops
 are consecutive), so no peer can observe the intermediate values, which
 are skipped; the final value lands where placement put it, at the same
@@ -47,7 +58,9 @@ class Step:
     """``kind``; ``peers``/``flags``: the peers read (and the flag awaited of each), in order;
     ``[start, stop)``; ``src_loc``: where the region's current value is (reductions);
     ``dst_loc``: where the result goes; ``dual``: also write the user's array; ``ops``: the
-    placed ops this step stands for (chunk-op accounting)."""
+    placed ops this step stands for (chunk-op accounting); ``final``: a reduction that is the
+    last write of its region (direct placement only), so it computes the region's final
+    value: an allreduce's tree root, where an average divides once (module docstring)."""
 
     kind: int
     peers: tuple[int, ...]
@@ -58,6 +71,7 @@ class Step:
     dst_loc: int
     dual: bool
     ops: int
+    final: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,8 +138,11 @@ def fuse(pl: Placement, fuse_chains: bool = True) -> Steps:
         dual: set[tuple[int, int]] = set()
         for region, k in last.items():
             s = steps[k]
-            if s.dst_loc == SHARED and _covered(region, pl.stage_out):
-                steps[k] = Step(s.kind, s.peers, s.flags, s.start, s.stop, s.src_loc, s.dst_loc, True, s.ops)
+            both = s.dst_loc == SHARED and _covered(region, pl.stage_out)
+            final = s.kind == STEP_REDUCE
+            if both or final:
+                steps[k] = Step(s.kind, s.peers, s.flags, s.start, s.stop, s.src_loc, s.dst_loc, both, s.ops, final)
+            if both:
                 dual.add(region)
         if dual:
             stage_out = _subtract(pl.stage_out, dual)
