@@ -11,7 +11,10 @@ loaded machine stock Horovod 0.28.1 sometimes aborts inside ``hvd.init``
 driver runs the suite in one ``horovodrun`` job, reads each rank's per-test
 verdicts from horovodrun's ``--output-filename`` files, and when a job dies
 it records the test that was running as ``CRASH`` and starts a new job with
-the remaining tests.  A test passes only if it passed on every rank.
+the remaining tests.  ``--per-test`` runs every test in a job of its own
+instead: slower, but a test that fails on one rank (the others then wait in
+a collective it never submits) cannot hang the tests after it.  A test passes
+only if it passed on every rank; it fails if it failed on any.
 
     python tests/parallel/ops_reference_suite.py --suite .build/hvd-tests/parallel/test_torch.py -np 2 \\
         -H localhost:2 [--blink] [--json out.json]
@@ -27,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,7 +48,7 @@ def _isolated(suite: Path) -> list[str]:
 
 def collect(python: str, suite: Path, env: dict) -> list[str]:
     p = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", *_isolated(suite), suite.name],
-                       capture_output=True, text=True, timeout=600, env=env, cwd=suite.parent)
+                       check=False, capture_output=True, text=True, timeout=600, env=env, cwd=suite.parent)
     ids = [ln.strip() for ln in p.stdout.splitlines() if "::" in ln]
     if not ids:
         raise SystemExit(f"collected no tests from {suite}:\n{p.stdout}\n{p.stderr}")
@@ -58,16 +62,21 @@ def run_job(args, ids: list[str], env: dict, outdir: Path) -> tuple[dict[str, st
            "--output-filename", str(outdir),
            args.python, "-m", "pytest", "-v", *_isolated(Path(args.suite).resolve()), f"--timeout={args.test_timeout}",
            *ids]
+    timeout = args.job_timeout if len(ids) > 1 or not args.per_test else args.test_timeout + 120
+    # a session of its own, so that a timeout kills the ranks too, not only horovodrun
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         cwd=Path(args.suite).parent, start_new_session=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.job_timeout, env=env,
-                           cwd=Path(args.suite).parent)
+        out, _ = p.communicate(timeout=timeout)
         rc = p.returncode
     except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
         rc = 124
     if os.environ.get("OPS_REF_DEBUG"):
         print(f"[ref] rc={rc} cmd={' '.join(cmd[:12])} ...", file=sys.stderr)
-        if rc not in (0, 1) and "p" in locals():
-            print("\n".join((p.stdout + p.stderr).splitlines()[-15:]), file=sys.stderr)
+        if rc not in (0, 1):
+            print("\n".join((out or "").splitlines()[-15:]), file=sys.stderr)
     per_rank: list[dict[str, str]] = []
     for rank_dir in sorted(outdir.glob("rank.*")):
         text = ""
@@ -81,6 +90,9 @@ def run_job(args, ids: list[str], env: dict, outdir: Path) -> tuple[dict[str, st
     for tid in ids:
         key = tid.split("/")[-1]
         vs = [r.get(key) for r in per_rank]
+        if vs and any(v in ("FAILED", "ERROR") for v in vs):
+            verdicts[tid] = "FAILED"  # a rank failed; the others may have hung waiting for it
+            continue
         if any(v is None for v in vs) or not vs:
             continue
         verdicts[tid] = max(vs, key=lambda v: RANK_ORDER.get(v, 4))
@@ -100,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--test-timeout", type=int, default=300)
     ap.add_argument("--job-timeout", type=int, default=3600)
     ap.add_argument("-k", default="", help="only tests whose id contains this")
+    ap.add_argument("--per-test", action="store_true",
+                    help="one horovodrun job per test (a failing test cannot leave the next one hanging; "
+                         "each job is limited to --test-timeout + 120 s)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
 
@@ -120,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     jobs = 0
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="hvdref-") as tmp:
+        while remaining and args.per_test:
+            tid = remaining.pop(0)
+            jobs += 1
+            verdicts, _ = run_job(args, [tid], env, Path(tmp) / f"job{jobs}")
+            results[tid] = verdicts.get(tid, "CRASH")
+            print(f"[ref] {results[tid]:8s} {tid}", file=sys.stderr, flush=True)
         while remaining:
             jobs += 1
             verdicts, crashed = run_job(args, remaining, env, Path(tmp) / f"job{jobs}")
