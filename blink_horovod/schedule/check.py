@@ -79,6 +79,9 @@ def describe_op(program: Program, rank: int, index: int) -> str:
         parts.append(f"tree {op.tree} chunk {op.chunk}")
     if op.kind == "post":
         parts.append(f"flag {op.flag}")
+    elif op.kind == "fanin":
+        srcs = ", ".join(f"rank {q} flag {f}" for q, f in op.peers)
+        parts.append(f"elements [{op.offset}, {op.offset + op.count}) from {srcs}")
     else:
         parts.append(f"elements [{op.offset}, {op.offset + op.count}) from rank {op.peer} flag {op.flag}")
     parts.append(f"step {op.step}")
@@ -185,8 +188,14 @@ class _Checker:
             for i, op in enumerate(ops):
                 if not isinstance(op, Op):
                     self.fail(f"rank {r} op {i}: expected an Op, got {op!r}")
-                if op.kind not in ("post", "copy", "reduce"):
-                    self.fail(f"rank {r} op {i}: kind {op.kind!r} is not post, copy or reduce")
+                if op.kind not in ("post", "copy", "reduce", "fanin"):
+                    self.fail(f"rank {r} op {i}: kind {op.kind!r} is not post, copy, reduce or fanin")
+                if op.kind == "fanin":
+                    qs = [q for q, _ in op.peers]
+                    if len(qs) < 1 or len(set(qs)) != len(qs) or (op.peer, op.flag) != tuple(op.peers[0]):
+                        self.fail(f"{self.op(r, i)}: peers {op.peers!r} must list distinct (peer, flag) pairs, the first one (peer, flag)")
+                elif op.peers:
+                    self.fail(f"{self.op(r, i)}: peers {op.peers!r} given for a {op.kind} op (fanin only)")
                 if op.channel not in CHANNELS:
                     self.fail(f"{self.op(r, i)}: channel {op.channel!r} is not one of {', '.join(CHANNELS)}")
                 if not (0 <= op.stream < p.nstreams[r]):
@@ -207,10 +216,11 @@ class _Checker:
                         )
                     self.poster[(r, op.flag)] = i
                 else:
-                    if not (0 <= op.peer < n) or op.peer == r:
-                        self.fail(f"{self.op(r, i)}: peer {op.peer} is not another rank of 0..{n - 1}")
-                    if not (0 <= op.flag < p.nflags[op.peer]):
-                        self.fail(f"{self.op(r, i)}: flag {op.flag} outside rank {op.peer}'s {p.nflags[op.peer]} flags")
+                    for q, f in op.sources():
+                        if not (0 <= q < n) or q == r:
+                            self.fail(f"{self.op(r, i)}: peer {q} is not another rank of 0..{n - 1}")
+                        if not (0 <= f < p.nflags[q]):
+                            self.fail(f"{self.op(r, i)}: flag {f} outside rank {q}'s {p.nflags[q]} flags")
                     if op.count < 1 or op.offset < 0 or op.offset + op.count > p.count:
                         self.fail(f"{self.op(r, i)}: region [{op.offset}, {op.offset + op.count}) is empty or outside [0, {p.count})")
 
@@ -239,14 +249,15 @@ class _Checker:
             if op.channel != tree.channel:
                 self.fail(f"{self.op(r, i)}: moves on {op.channel}, tree {op.tree} is on {tree.channel}")
             e = edges[op.tree]
-            up = op.kind == "reduce" and (r, op.peer) in e  # child -> parent
-            downward = op.kind == "copy" and (op.peer, r) in e  # parent -> child
-            if not (up or downward):
-                rel = "child" if op.kind == "reduce" else "parent"
-                self.fail(
-                    f"{self.op(r, i)}: rank {op.peer} (GPU {plan.gpus[op.peer]}) is not the {rel} of rank {r} "
-                    f"(GPU {plan.gpus[r]}) in tree {op.tree}"
-                )
+            for q, _ in op.sources():
+                up = op.kind in ("reduce", "fanin") and (r, q) in e  # child -> parent
+                downward = op.kind == "copy" and (q, r) in e  # parent -> child
+                if not (up or downward):
+                    rel = "parent" if op.kind == "copy" else "child"
+                    self.fail(
+                        f"{self.op(r, i)}: rank {q} (GPU {plan.gpus[q]}) is not the {rel} of rank {r} "
+                        f"(GPU {plan.gpus[r]}) in tree {op.tree}"
+                    )
 
     # -- 2..6 -----------------------------------------------------------------
     def run(self) -> None:
@@ -294,16 +305,18 @@ class _Checker:
                 cnt = len(deps)
                 for j in deps:
                     succ.setdefault((r, j), []).append((r, i))
-                if op.kind != "post":
-                    src = self.poster.get((op.peer, op.flag))
+                waits = []
+                for q, f in op.sources():
+                    src = self.poster.get((q, f))
                     if src is None:
-                        unposted[(r, i)] = (op.peer, op.flag)
-                        cnt += 1  # never satisfied
+                        unposted.setdefault((r, i), (q, f))
                     else:
-                        self.waits_on[(r, i)] = (op.peer, src)
-                        vc_refs[(op.peer, src)] = vc_refs.get((op.peer, src), 0) + 1
-                        succ.setdefault((op.peer, src), []).append((r, i))
-                        cnt += 1
+                        waits.append((q, src))
+                        vc_refs[(q, src)] = vc_refs.get((q, src), 0) + 1
+                        succ.setdefault((q, src), []).append((r, i))
+                    cnt += 1  # an unposted flag is never satisfied
+                if waits:
+                    self.waits_on[(r, i)] = waits
                 row.append(cnt)
                 if cnt == 0:
                     ready.append((op.step, r, i))
@@ -312,7 +325,7 @@ class _Checker:
         # Elementary intervals.
         bounds = {0, p.count}
         for _, _, op in p.ops():
-            if op.kind != "post":
+            if op.kind != "post":  # copy, reduce, fanin
                 bounds.add(op.offset)
                 bounds.add(op.offset + op.count)
         self.bnd = sorted(bounds)
@@ -356,7 +369,7 @@ class _Checker:
             vc = lane_last_vc[ln].copy() if counters[ln] else base_vc[r].copy()
             preds = [(r, j) for j in op.after]
             if op.kind != "post":
-                preds.append(self.waits_on[key])
+                preds.extend(self.waits_on[key])
             for pk in preds:
                 np.maximum(vc, vcs[pk], out=vc)
                 left = vc_refs[pk] - 1
@@ -374,24 +387,25 @@ class _Checker:
             lane_cnt[key] = counters[ln]
             lane_last_vc[ln] = vc
             if op.kind != "post":
-                q = op.peer
+                srcs = [q for q, _ in op.sources()]
                 x0 = bisect_left(bnd, op.offset)
                 x1 = bisect_left(bnd, op.offset + op.count)
-                vq, vr = value[q], value[r]
-                lwq, lwr = last_write[q], last_write[r]
-                rdq, rdr = readers[q], readers[r]
+                vr = value[r]
+                lwr = last_write[r]
+                rdr = readers[r]
                 for x in range(x0, x1):
                     if self.label[x] is None and op.tree >= 0:
                         self.label[x] = (op.tree, op.chunk)
-                    # the read of B_q[x]
-                    w = lwq[x]
-                    if not hb(w, q, vc):
-                        self.fail_read(r, i, q, x, w)
-                    lst = rdq[x]
-                    if lst is None:
-                        rdq[x] = [key]
-                    else:
-                        lst.append(key)
+                    # the reads of B_q[x]
+                    for q in srcs:
+                        w = last_write[q][x]
+                        if not hb(w, q, vc):
+                            self.fail_read(r, i, q, x, w)
+                        lst = readers[q][x]
+                        if lst is None:
+                            readers[q][x] = [key]
+                        else:
+                            lst.append(key)
                     # the write of B_r[x]
                     w = lwr[x]
                     if w is not None and not hb(w, r, vc):
@@ -410,15 +424,17 @@ class _Checker:
                         rdr[x] = None
                     lwr[x] = key
                     if op.kind == "copy":
-                        vr[x] = vq[x]
+                        vr[x] = value[srcs[0]][x]
                     else:
-                        if vr[x] & vq[x]:
-                            twice = _contributions(vr[x] & vq[x])
-                            self.fail(
-                                f"double reduction: {self.op(r, i)} adds the inputs of ranks {twice} to rank {r}'s "
-                                f"elements {self.region(x)}, which already hold them"
-                            )
-                        vr[x] |= vq[x]
+                        for q in srcs:
+                            vq = value[q]
+                            if vr[x] & vq[x]:
+                                twice = _contributions(vr[x] & vq[x])
+                                self.fail(
+                                    f"double reduction: {self.op(r, i)} adds the inputs of ranks {twice} to rank {r}'s "
+                                    f"elements {self.region(x)}, which already hold them"
+                                )
+                            vr[x] |= vq[x]
             done += 1
             for nxt in succ.get(key, ()):
                 row = pending[nxt[0]]
@@ -456,8 +472,8 @@ class _Checker:
                 q, f = unposted[(r, i)]
                 causes.append(f"{self.op(r, i)} waits for rank {q} flag {f}, which rank {q} never posts")
             elif (r, i) in self.waits_on:
-                q, j = self.waits_on[(r, i)]
-                blocked.append(f"{self.op(r, i)} waits for rank {q} flag {self.p.ranks[r][i].flag}, posted by {self.op(q, j)}, which never runs")
+                q, j = self.waits_on[(r, i)][0]
+                blocked.append(f"{self.op(r, i)} waits for rank {q} flag {self.p.ranks[q][j].flag}, posted by {self.op(q, j)}, which never runs")
             else:
                 blocked.append(f"{self.op(r, i)} waits for an op of its own lane or `after` that never runs")
         # Where no flag is missing, the waits form a cycle.
@@ -468,13 +484,14 @@ class _Checker:
     # -- 3. steps -------------------------------------------------------------
     def check_steps(self) -> None:
         ranks = self.p.ranks
-        for (r, i), (q, j) in self.waits_on.items():
-            s, t = ranks[r][i].step, ranks[q][j].step
-            if t >= s:
-                self.fail(
-                    f"{self.op(r, i)} waits for {self.op(q, j)} of step {t} >= {s}: an op may wait only for posts of "
-                    "smaller steps (a sequential executor would deadlock)"
-                )
+        for (r, i), waits in self.waits_on.items():
+            for q, j in waits:
+                s, t = ranks[r][i].step, ranks[q][j].step
+                if t >= s:
+                    self.fail(
+                        f"{self.op(r, i)} waits for {self.op(q, j)} of step {t} >= {s}: an op may wait only for posts of "
+                        "smaller steps (a sequential executor would deadlock)"
+                    )
 
     # -- 6. done --------------------------------------------------------------
     def check_done(self, done_vc: dict[int, np.ndarray], lane_of: dict, lane_cnt: dict) -> None:

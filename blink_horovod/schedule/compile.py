@@ -53,6 +53,7 @@ different plans agree on the ranges of the cross-server stage.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 
@@ -66,6 +67,7 @@ __all__ = ["FRACTION_EPS", "chunk_count", "compile_program", "tree_ranges"]
 FRACTION_EPS = 1e-9
 _FIRST_EVENT_FLAG = 2  # flags 0 and 1 are START_FLAG and DONE_FLAG
 LANE_POLICIES = ("root", "link", "tree")
+CHUNKING_POLICIES = ("fixed", "even")
 
 
 def _is_int(x: object) -> bool:
@@ -197,9 +199,67 @@ class _Shape:
         self.children = {v: sorted(cs, key=lambda c: (self.height[c], edge_pos[c])) for v, cs in kids.items()}
 
 
+def _chunks(lo: int, hi: int, chunk_elems: int, k: int, ramp: int = 1) -> list[tuple[int, int]]:
+    """``(offset, count)`` of each chunk of ``[lo, hi)``.
+
+    ``k == 0``: chunks of ``chunk_elems`` (the last may be shorter).  Else ``k``
+    chunks of near-equal size, except that with ``ramp > 1`` the first and last
+    ``ramp - 1`` chunks grow and shrink in steps of ``1 / ramp`` (weights
+    ``min(ramp, i + 1, k - i)``); chunks that would be empty are left out.
+    """
+    if k <= 0:
+        return [(a, min(chunk_elems, hi - a)) for a in range(lo, hi, chunk_elems)]
+    k = min(k, hi - lo)
+    weights = [min(ramp, i + 1, k - i) for i in range(k)]
+    total = sum(weights)
+    cuts = [lo]
+    acc = 0
+    for w in weights:
+        acc += w
+        cuts.append(lo + (hi - lo) * acc // total)
+    return [(cuts[i], cuts[i + 1] - cuts[i]) for i in range(k) if cuts[i + 1] > cuts[i]]
+
+
+def _pace(recs: list[list], pace: int, streams: int = 1) -> None:
+    """Add the pacing edges (module docstring) to one rank's op records, in place.
+
+    A transfer of tree ``t`` at step ``s`` over link ``(channel, peer)`` waits
+    for the latest transfer of each other tree over that link whose step is at
+    most ``s - pace``: a tree can run at most ``pace`` steps ahead of another
+    on a link they share.  Every such edge points to a smaller step, so the
+    step contract (program.py) still holds.
+    """
+    by_link: dict[tuple, dict[int, list[list]]] = {}
+    for rec in recs:
+        if rec[2] != "post":
+            by_link.setdefault((rec[10], rec[3]), {}).setdefault(rec[7], []).append(rec)
+    for trees in by_link.values():
+        if len(trees) < 2:
+            continue
+        steps = {t: [rec[0] for rec in rs] for t, rs in trees.items()}  # generated in chunk order: ascending steps
+        for t, rs in trees.items():
+            # t's transfers over one link and of one lane run in step order, so
+            # an edge to u's k-th transfer also covers t's later ones in that
+            # lane: add it once per lane.
+            seen = {(u, j): -1 for u in trees for j in range(streams)}
+            for rec in rs:
+                limit = rec[0] - pace
+                lane = rec[8] % streams
+                extra = []
+                for u, urs in trees.items():
+                    if u == t:
+                        continue
+                    k = bisect.bisect_right(steps[u], limit) - 1
+                    if k > seen[u, lane]:
+                        seen[u, lane] = k
+                        extra.append(urs[k][1])
+                if extra:
+                    rec[11] = (*rec[11], *extra)
+
+
 class _Rank:
     """Op records of one rank before sorting: [step, seq, kind, peer, flag, offset, count,
-    tree, chunk, lane_key, channel, after_seqs]."""
+    tree, chunk, lane_key, channel, after_seqs, fanin_sources]."""
 
     __slots__ = ("needs_start", "next_flag", "recs")
 
@@ -209,7 +269,10 @@ class _Rank:
         self.needs_start = False
 
 
-def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None = None, *, lanes: str = "root") -> Program:
+def compile_program(
+    plan: Plan, count: int, chunk_elems: int, kind: str | None = None, *, lanes: str = "root", chunking: str = "fixed",
+    pace: int | None = None, streams: int = 1, fanin: bool = False,
+) -> Program:
     """Per-rank programs for ``plan`` over a buffer of ``count`` elements.
 
     Parameters
@@ -229,6 +292,30 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
     lanes : str
         Which trees share a lane over a link: ``"root"`` (trees of one root),
         ``"link"`` (all) or ``"tree"`` (none); see the module docstring.
+    chunking : str
+        ``"fixed"`` (default): every chunk has ``chunk_elems`` elements (a
+        tree's last one may be shorter), so a tree with a larger fraction has
+        more chunks.  ``"even"``: every tree carrying bytes gets the same number
+        of chunks, ``ceil(largest tree range / chunk_elems)`` (fewer for a tree
+        with fewer elements than that), of sizes in proportion to its range:
+        the trees then advance one chunk per pipeline step together and finish
+        together, each at its plan rate (see the module docstring).
+    pace : int, optional
+        Couple the trees that share a link (see the module docstring,
+        "Pacing"): a transfer of pipeline step ``s`` over link ``(channel,
+        peer)`` also waits (``after``) for every other tree's latest transfer
+        over that link of step ``s - pace`` or earlier.  None (default): no
+        coupling.
+    streams : int
+        Lanes per lane key (default 1).  With more, chunk ``c`` of a tree
+        takes the ``c % streams``-th, so one chunk's fixed cost overlaps the
+        bytes of another (double buffering with 2); with ``chunking="even"``
+        the first and last ``streams - 1`` chunks then ramp up and down in
+        size (see the module docstring, "Double buffering").
+    fanin : bool
+        A node reduces the chunks of all its children with one ``fanin`` op
+        (program.py) instead of one ``reduce`` per child in sequence (default
+        False: the runtimes do not execute ``fanin`` ops).
 
     Returns
     -------
@@ -261,6 +348,14 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
         raise ScheduleError(f"chunk_elems: expected a positive integer, got {chunk_elems!r}")
     if lanes not in LANE_POLICIES:
         raise ScheduleError(f"lanes: expected one of {', '.join(LANE_POLICIES)}, got {lanes!r}")
+    if chunking not in CHUNKING_POLICIES:
+        raise ScheduleError(f"chunking: expected one of {', '.join(CHUNKING_POLICIES)}, got {chunking!r}")
+    if pace is not None and (not _is_int(pace) or pace < 1):
+        raise ScheduleError(f"pace: expected None or a positive integer number of steps, got {pace!r}")
+    if not isinstance(fanin, bool):
+        raise ScheduleError(f"fanin: expected True or False, got {fanin!r}")
+    if not _is_int(streams) or streams < 1:
+        raise ScheduleError(f"streams: expected a positive integer number of lanes per link, got {streams!r}")
     if not isinstance(plan, Plan) or not plan.gpus:
         raise ScheduleError(f"plan: expected a Plan with GPUs, got {plan!r}")
     n = plan.n
@@ -271,6 +366,9 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
         if tree.channel not in CHANNELS:
             raise ScheduleError(f"plan.trees[{t}].channel: expected one of {', '.join(CHANNELS)}, got {tree.channel!r}")
     ranges, segments = tree_ranges(plan, count)
+    # "even": the largest tree's middle chunks have chunk_elems elements (the
+    # ramp's 2 (streams - 1) partial chunks add up to streams - 1 whole ones).
+    nchunks_even = max((-(-(hi - lo) // chunk_elems) for lo, hi in ranges), default=0) + streams - 1
     ranks = [_Rank() for _ in range(n)]
     seq = 0  # global generation counter: sort key within a step, and the id `after` refers to
 
@@ -290,8 +388,8 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
         inner_up = [v for v in shape.postorder if v in children]  # nodes that reduce
         down = shape.preorder[1:]
         top = height[root]
-        for c, a in enumerate(range(lo, hi, chunk_elems)):
-            m = min(chunk_elems, hi - a)
+        for c, (a, m) in enumerate(_chunks(lo, hi, chunk_elems, nchunks_even if chunking == "even" else 0, streams)):
+            spread = (c % streams,) if streams > 1 else ()
             up_flag: dict[int, int] = {}  # rank -> flag "chunk reduced" (inner nodes)
             last_write: dict[int, int] = {}  # rank -> seq of its last write of this chunk
             last_lane: dict[int, tuple] = {}
@@ -300,14 +398,26 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
                     rv = ranks[v]
                     step = c + height[v]
                     prev = None
+                    sources = []
                     for u in children[v]:
                         if u in children:
                             flag = up_flag[u]
                         else:
                             flag = START_FLAG
                             ranks[u].needs_start = True
-                        lane = (ch, u, *share)
-                        rv.recs.append([step, seq, "reduce", u, flag, a, m, t, c, lane, ch, () if prev is None else (prev,)])
+                        sources.append((u, flag))
+                    if fanin and len(sources) > 1:
+                        # One op reads every child (lane of the first child's link).
+                        u, flag = sources[0]
+                        lane = (ch, u, *share, *spread)
+                        rv.recs.append([step, seq, "fanin", u, flag, a, m, t, c, lane, ch, (), tuple(sources)])
+                        prev = seq
+                        last_lane[v] = lane
+                        seq += 1
+                        sources = []
+                    for u, flag in sources:
+                        lane = (ch, u, *share, *spread)
+                        rv.recs.append([step, seq, "reduce", u, flag, a, m, t, c, lane, ch, () if prev is None else (prev,), ()])
                         prev = seq
                         last_lane[v] = lane
                         seq += 1
@@ -316,7 +426,7 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
                         flag = rv.next_flag
                         rv.next_flag += 1
                         up_flag[v] = flag
-                        rv.recs.append([step, seq, "post", -1, flag, a, m, t, c, last_lane[v], ch, (prev,)])
+                        rv.recs.append([step, seq, "post", -1, flag, a, m, t, c, last_lane[v], ch, (prev,), ()])
                         seq += 1
             if kind == "reduce":
                 continue
@@ -331,16 +441,16 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
                 rv = ranks[v]
                 p = parent[v]
                 step = base + depth[v]
-                lane = (ch, p, *share)
+                lane = (ch, p, *share, *spread)
                 prev = last_write.get(v)
-                rv.recs.append([step, seq, "copy", p, down_flag[p], a, m, t, c, lane, ch, () if prev is None else (prev,)])
+                rv.recs.append([step, seq, "copy", p, down_flag[p], a, m, t, c, lane, ch, () if prev is None else (prev,), ()])
                 copy_seq = seq
                 seq += 1
                 if v in children:
                     flag = rv.next_flag
                     rv.next_flag += 1
                     down_flag[v] = flag
-                    rv.recs.append([step, seq, "post", -1, flag, a, m, t, c, lane, ch, (copy_seq,)])
+                    rv.recs.append([step, seq, "post", -1, flag, a, m, t, c, lane, ch, (copy_seq,), ()])
                     seq += 1
 
     out_ranks: list[tuple[Op, ...]] = []
@@ -360,20 +470,22 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
         keys = sorted({rec[9] for rec in recs}, key=lambda k: (CHANNELS.index(k[0]), *k[1:]))
         lane_of = {k: i for i, k in enumerate(keys)}
         lanes_meta.append(tuple(k[:2] for k in keys))
+        if pace is not None:
+            _pace(recs, pace, streams)
         if rk.needs_start:
-            recs.append([0, -1, "post", -1, START_FLAG, 0, 0, -1, -1, None, "nvlink", ()])
+            recs.append([0, -1, "post", -1, START_FLAG, 0, 0, -1, -1, None, "nvlink", (), ()])
         recs.sort(key=lambda rec: (rec[0], rec[1]))
         index_of = {rec[1]: i for i, rec in enumerate(recs)}
         lane_idx = [0 if rec[9] is None else lane_of[rec[9]] for rec in recs]
         ops: list[Op] = []
         last_in_lane: dict[int, int] = {}
         for i, rec in enumerate(recs):
-            step, _, okind, peer, flag, a, m, t, c, _, ch, after_seqs = rec
+            step, _, okind, peer, flag, a, m, t, c, _, ch, after_seqs, sources = rec
             lane = lane_idx[i]
             # Keep only dependencies on other lanes: a lane runs its ops in order.
             after = tuple(j for j in (index_of[x] for x in after_seqs) if lane_idx[j] != lane)
             # Chunk posts keep the chunk's region (informational, for traces).
-            ops.append(Op(okind, peer, flag, a, m, t, c, step, lane, ch, after))
+            ops.append(Op(okind, peer, flag, a, m, t, c, step, lane, ch, after, sources))
             last_in_lane[lane] = i
             max_step = max(max_step, step)
         has_reads = any(op.kind != "post" for op in ops)
@@ -397,6 +509,7 @@ def compile_program(plan: Plan, count: int, chunk_elems: int, kind: str | None =
         # lanes[r][s] = (channel, peer rank): the incoming link lane s of rank r serves
         "lanes": tuple(lanes_meta),
         "lane_policy": lanes,
+        "chunking": chunking,
     }
     return Program(
         kind=kind,

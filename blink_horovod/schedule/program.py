@@ -16,6 +16,13 @@ Operations (:class:`Op`), executed by rank ``r`` on its own buffer ``B_r``:
            ``B_r[offset:offset+count] = B_peer[offset:offset+count]``.
 ``reduce`` wait as for ``copy``, then
            ``B_r[offset:offset+count] = op(B_r[...], B_peer[...])``.
+``fanin``  a reduce from several peers in one op (one kernel that reads them
+           all, as Blink's one-hop trees on an NVSwitch do): wait until
+           ``flags_p[f] >= epoch`` for every ``(p, f)`` in ``peers``, then
+           ``B_r[...] = op(B_r[...], B_p1[...], B_p2[...], ...)``; ``peer`` and
+           ``flag`` repeat the first pair.  Compiled only on request
+           (``compile_program(..., fanin=True)``); the runtimes do not execute
+           it yet and refuse programs that contain it.
 
 ``epoch`` is the sequence number of the collective, the same on every rank, so
 flags never need resetting.  ``step`` is the pipeline step of the op: every op
@@ -51,7 +58,7 @@ from typing import Literal
 
 __all__ = ["DONE_FLAG", "PROGRAM_KINDS", "START_FLAG", "Op", "OpKind", "Program"]
 
-OpKind = Literal["post", "copy", "reduce"]
+OpKind = Literal["post", "copy", "reduce", "fanin"]
 
 # allreduce: reduce up then broadcast down, pipelined (single server).
 # reduce:    up only; tree roots end with their share reduced (hierarchical stage 1).
@@ -78,6 +85,13 @@ class Op:
     stream: int = 0  # lane on this rank (GPU stream); ops of one lane run in order
     channel: str = "nvlink"  # nvlink or pcie: which channel moves the bytes
     after: tuple[int, ...] = ()  # indices of this rank's ops that must finish first
+    peers: tuple[tuple[int, int], ...] = ()  # fanin: every (peer, flag) read; empty for other kinds
+
+    def sources(self) -> tuple[tuple[int, int], ...]:
+        """The ``(peer, flag)`` pairs this op reads after waiting for (empty for a post)."""
+        if self.kind == "post":
+            return ()
+        return self.peers if self.kind == "fanin" else ((self.peer, self.flag),)
 
 
 @dataclass(frozen=True)
@@ -111,8 +125,8 @@ class Program:
         """``readers()[r]``: the ranks that read rank r's buffer."""
         out: list[set[int]] = [set() for _ in range(self.nranks)]
         for r, _, op in self.ops():
-            if op.kind != "post":
-                out[op.peer].add(r)
+            for q, _ in op.sources():
+                out[q].add(r)
         return tuple(frozenset(s) for s in out)
 
     def num_ops(self) -> int:

@@ -38,7 +38,7 @@ def replay(program: Program, inputs: Sequence[np.ndarray], op: str = "sum", seed
     inputs : sequence of numpy.ndarray
         ``inputs[r]`` is rank r's input; not modified.
     op : str
-        ``sum``, ``min``, ``max`` or ``product``: what ``reduce`` ops apply.
+        ``sum``, ``min``, ``max`` or ``product``: what ``reduce`` and ``fanin`` ops apply.
     seed : int or None
         Seed of the random choice among runnable ops; None: lists order per
         rank, ranks round-robin (a sequential executor per rank).
@@ -82,7 +82,7 @@ def replay(program: Program, inputs: Sequence[np.ndarray], op: str = "sum", seed
         o = program.ranks[r][i]
         if any(not done[r][j] for j in o.after):
             return False
-        return o.kind == "post" or (o.peer, o.flag) in posted
+        return all(src in posted for src in o.sources())
 
     while left:
         cands = [(r, s) for r in range(n) for s, q in lanes[r].items() if q and runnable(r, q[-1])]
@@ -101,12 +101,12 @@ def replay(program: Program, inputs: Sequence[np.ndarray], op: str = "sum", seed
             if o.kind == "post":
                 posted.add((r, o.flag))
             else:
-                src = bufs[o.peer][o.offset : o.offset + o.count]
                 dst = bufs[r][o.offset : o.offset + o.count]
                 if o.kind == "copy":
-                    dst[...] = src
-                else:
-                    fn(dst, src, out=dst)
+                    dst[...] = bufs[o.peer][o.offset : o.offset + o.count]
+                else:  # reduce, or fanin: every source in one op
+                    for q, _ in o.sources():
+                        fn(dst, bufs[q][o.offset : o.offset + o.count], out=dst)
             done[r][i] = 1
             left -= 1
     return bufs

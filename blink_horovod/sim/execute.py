@@ -138,6 +138,46 @@ def program_task_graph(
                 g_res.append(())
                 g_waits.append(())
                 g_raises.append(sig(r, op.flag))
+            elif kind == "fanin":
+                # One kernel reads every source: one fixed cost once all flags
+                # are up, then one flow per source, done when the last lands.
+                srcs = op.peers
+                for q, _ in srcs:
+                    if not 0 <= q < program.nranks or q == r:
+                        raise ScheduleError(f"rank {r} op {i}: peer {q} is not another rank of {program.nranks}")
+                if op.channel == "pcie":
+                    gate_deps.append(deps)
+                head = len(g_lat)
+                g_lat.append(reduce_lat)
+                g_bytes.append(0.0)
+                g_res.append(())
+                g_waits.append(tuple(sig(q, f) for q, f in srcs))
+                g_raises.append(-1)
+                g_tail.append(0.0)
+                g_deps.append(deps)  # type: ignore[arg-type]
+                g_tags.append((r, i, "head"))
+                where.append((r, i))
+                flows = []
+                nb = float(op.count * itemsize)
+                for q, _ in srcs:
+                    flows.append(len(g_lat))
+                    g_lat.append(0.0)
+                    g_bytes.append(nb)
+                    g_res.append(route_of(gpus[q], dst, op.channel) + (reducer(dst),))
+                    g_waits.append(())
+                    g_raises.append(-1)
+                    g_tail.append(0.0)
+                    g_deps.append([head])
+                    g_tags.append((r, i, q))
+                    where.append((r, i))
+                tid = len(g_lat)
+                tid_of[i] = tid
+                g_lat.append(0.0)
+                g_bytes.append(0.0)
+                g_res.append(())
+                g_waits.append(())
+                g_raises.append(-1)
+                deps = flows
             elif kind == "copy" or kind == "reduce":
                 peer = op.peer
                 if not 0 <= peer < program.nranks or peer == r:

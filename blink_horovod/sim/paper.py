@@ -30,7 +30,16 @@ from pathlib import Path
 
 from ..topology import resolve
 from ..units import format_size
-from .blink import choose_chunk_bytes, plan_for, predict_time, simulate_plan
+from .blink import (
+    RUNTIME_SCHEDULE,
+    SIM_SCHEDULE,
+    Schedule,
+    choose_chunk_bytes,
+    hybrid_split,
+    plan_for,
+    predict_time,
+    simulate_plan,
+)
 from .multiserver import hierarchical_allreduce
 from .nccl import dbt_depth, nccl_estimate
 from .params import DEFAULT_PARAMS, SimParams
@@ -204,23 +213,41 @@ def acceptance(rows: list[Row], seconds: float, machine: str, cpu_seconds: float
 
 # -- (f) ---------------------------------------------------------------------
 
+def _variant_rows(topo, default_rows: list[Row], sched: Schedule, prm: SimParams, same_chunk: bool, bar: Progress) -> list[Row]:
+    rows = []
+    for r in default_rows:
+        sub = topo.allocate(r.gpus)
+        plan = plan_for(sub, r.collective, root=r.gpus[0] if r.collective == "broadcast" else None, channels=["nvlink"])
+        chunk = r.chunk_bytes if same_chunk else None
+        est = simulate_plan(plan, sub, r.size_bytes, chunk, prm, schedule=sched)
+        rows.append(dataclasses.replace(r, blink_s=est.time_s, speedup=r.nccl_s / est.time_s, chunk_bytes=est.chunk_bytes))
+        bar.advance(f"{_alloc(r.gpus)} {r.collective}")
+    return rows
+
+
 def figure_f(out: Path, default_rows: list[Row], quick: bool, jobs: int, params: SimParams) -> Section:
-    """What the gap to the bound is made of: fixed costs, or the schedule's lane policy."""
+    """What the gap to the bound is made of: fixed costs, or how the schedule shares links."""
     plt = pyplot()
     topo = resolve("dgx1v")
     sec = Section("(f) What the gap to the bound is made of (DGX-1V, 1 GB, every NVLink-connected allocation)")
+    zero = SimParams.zero_cost()
+    no_double = dataclasses.replace(SIM_SCHEDULE, streams=1, pace=2)
+    tree_fixed = Schedule(lanes="tree", chunking="fixed", pace=None, streams=1)
+    # (label, schedule, params, same chunk as the row of the first variant's schedule)
     variants = [
-        ("compiler default lanes, default costs", None, params),
-        ("compiler default lanes, zero fixed costs", None, SimParams.zero_cost()),
-        ("lanes='tree' (one per tree and link), default costs", "tree", params),
-        ("lanes='link' (one per link), default costs", "link", params),
+        ("simulator schedule (paced, even chunks, 2 lanes), default costs", SIM_SCHEDULE, params, False),
+        ("simulator schedule, zero fixed costs", SIM_SCHEDULE, zero, True),
+        ("paced, even chunks, 1 lane per tree and link (pace 2), default costs", no_double, params, False),
+        ("one lane per tree and link, fixed chunks, no pacing, default costs", tree_fixed, params, False),
+        ("runtime schedule (compile_program defaults), default costs", RUNTIME_SCHEDULE, params, False),
     ]
+    if quick:
+        variants = variants[:3]
     sec.add(
-        "The same plans and chunk sizes, simulated four ways. *Zero fixed costs* removes every per-op and launch "
-        "cost (params.py): what remains is pipeline fill and how the program's lanes share links. The lane policy is the "
-        "schedule compiler's (`compile_program(..., lanes=...)`): links shared by several trees are crossed in one "
-        "in-order lane per link (`link`), per link and tree root (`root`), or per link and tree (`tree`); lanes that "
-        "share a link split it equally.",
+        "The same plans, compiled and simulated several ways (schedule options of `compile_program`, "
+        "sim/blink.py `Schedule`). *Zero fixed costs* removes every per-op and launch cost (params.py) at the same chunk "
+        "size: what remains is pipeline fill and how the program's lanes share links. The other variants choose their "
+        "own chunk size (the closed-form estimate of sim/blink.py for that schedule).",
         "",
         "| variant | collective | max over bound | allocations over +10% | mean over bound | geomean speedup |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -228,19 +255,11 @@ def figure_f(out: Path, default_rows: list[Row], quick: bool, jobs: int, params:
     data: dict[str, list[Row]] = {}
     total = len(default_rows) * (len(variants) - 1)
     with Progress(total, "gap") as bar:
-        for label, lanes, prm in variants:
-            if lanes is None and prm is params:
+        for label, sched, prm, same in variants:
+            if sched is SIM_SCHEDULE and prm is params:
                 data[label] = list(default_rows)
                 continue
-            rows = []
-            for r in default_rows:
-                # Same plan and chunk size as the default row: only the variant changes.
-                sub = topo.allocate(r.gpus)
-                plan = plan_for(sub, r.collective, root=r.gpus[0] if r.collective == "broadcast" else None, channels=["nvlink"])
-                est = simulate_plan(plan, sub, r.size_bytes, r.chunk_bytes, prm, lanes=lanes)
-                rows.append(dataclasses.replace(r, blink_s=est.time_s, speedup=r.nccl_s / est.time_s))
-                bar.advance(f"{_alloc(r.gpus)} {r.collective}")
-            data[label] = rows
+            data[label] = _variant_rows(topo, default_rows, sched, prm, same, bar)
     for label, rows in data.items():
         for c in ("broadcast", "allreduce"):
             sel = [r for r in rows if r.collective == c]
@@ -257,26 +276,71 @@ def figure_f(out: Path, default_rows: list[Row], quick: bool, jobs: int, params:
         ax.set_title(f"{c}: simulated time over the bound, sorted")
         ax.set_xlabel("allocations (sorted)")
         ax.set_ylabel("% over size / optimum")
-        ax.legend(fontsize=7)
+        ax.set_ylim(bottom=min(-1.0, ax.get_ylim()[0]))
+        ax.legend(fontsize=6)
     png = _save(fig, out, "f_gap_to_bound.png")
     plt.close(fig)
-    def over10(label: str, c: str) -> int:
-        return sum(r.blink_s / r.bound_s - 1 > 0.10 for r in data[label] if r.collective == c)
+
+    def stat(label: str, c: str) -> str:
+        sel = [r.blink_s / r.bound_s - 1 for r in data[label] if r.collective == c]
+        return f"{sum(o > 0.10 for o in sel)} over +10%, worst {max(sel) * 100:+.1f}%"
 
     labels = [v[0] for v in variants]
-    sec.add(
+    # The fluid limit: no fixed costs and small chunks (the largest tree in 256), so that neither costs nor fill
+    # are left; what remains is how the schedule shares links.
+    cases = [("0,3,4,7", "allreduce"), ("0,1,2,4,5", "allreduce"), ("0,1,2,3,4,5,6,7", "allreduce"),
+             ("0,1,2,3,4,5,6,7", "broadcast")]
+    if quick:
+        cases = cases[:2]
+    limit_scheds = [("runtime (root lanes, fixed chunks)", RUNTIME_SCHEDULE), ("one lane per tree and link, no pacing", tree_fixed),
+                    ("simulator schedule (paced)", SIM_SCHEDULE)]
+    limit_rows = []
+    size = 64 * MiB
+    for spec, coll in cases:
+        sub = topo.allocate([int(g) for g in spec.split(",")])
+        plan = plan_for(sub, coll, root=sub.gpus[0] if coll == "broadcast" else None, channels=["nvlink"])
+        biggest = max(t.fraction for t in plan.trees)
+        chunk = max(params.itemsize, int(biggest * size / 256) // params.itemsize * params.itemsize)
+        cells = []
+        for _, sched in limit_scheds:
+            est = simulate_plan(plan, sub, size, chunk, zero, schedule=sched)
+            cells.append(est.over_bound)
+        limit_rows.append((spec, coll, cells))
+    reading = [
         "",
-        f"Reading (allreduce): {over10(labels[0], 'allreduce')} allocations are more than 10% above the bound with "
-        f"the default costs, {over10(labels[1], 'allreduce')} with zero fixed costs -- that remainder is the schedule, "
-        f"not the costs; with one lane per tree and link {over10(labels[2], 'allreduce')}, with one lane per link "
-        f"{over10(labels[3], 'allreduce')}. Plans whose trees carry unequal fractions over a shared link need the link "
-        "split in proportion to the fractions, but concurrent lanes split it equally; and one in-order lane shared by "
-        "trees at different phases of their pipelines makes them wait for each other (head-of-line blocking). The "
-        "rest is pipeline fill on deep trees and the per-chunk fixed costs a serial lane exposes.",
+        ("Where the gap comes from, with no fixed costs and small chunks (64 MiB, the largest tree in 256 chunks): "
+         "only how each schedule shares links is left."),
+        "",
+        "| allocation | collective | " + " | ".join(lab for lab, _ in limit_scheds) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in limit_scheds) + " |",
+        *[f"| {spec} | {coll} | " + " | ".join(f"{c * 100:+.1f}%" for c in cells) + " |" for spec, coll, cells in limit_rows],
+        "",
+        "Reading. Three things separate a schedule from the bound:",
+        "",
+        ("1. *Equal sharing of a link is not the plan's split.* Concurrent transfers over one link share it equally "
+         "(the engine's processor sharing, as DMA engines do), which gives every tree crossing a link the same rate, "
+         "while the plan needs each tree at a rate in proportion to its fraction; trees with small fractions finish "
+         "early and the rest cannot fill the links alone. That is the gap left with one lane per tree and link and "
+         "no pacing in the table above. *Pacing* (compile.py) fixes it: every tree gets the same number of chunks "
+         "(sizes in proportion to its fraction) and a transfer over a link waits for the other trees' transfers over "
+         "that link a few pipeline steps back, so the trees advance together, each at its planned rate."),
+        ("2. *Head-of-line blocking.* One in-order lane per link and tree root (the runtimes' `root` policy) makes "
+         "trees of one root that use a link at different phases of their pipelines wait for each other: the gap of "
+         "the runtime schedule in the table, which neither smaller chunks nor zero costs remove."),
+        ("3. *Pipeline fill and per-chunk fixed costs.* A chunk crosses a tree's deepest path hop after hop (the "
+         "8-GPU broadcast plan's trees include 7-hop chains), so bigger chunks pay more fill and smaller ones more "
+         "fixed costs per byte; with one lane per tree and link a lane's fixed costs add up in series (the variant "
+         "with pace 2 and one lane above). Two lanes per tree and link, alternating chunks, with a half-size first "
+         "chunk so that they stagger, let one chunk's fixed costs overlap the other's bytes: smaller chunks pay "
+         "and the fill shrinks."),
+        "",
+        "In this run: " + "; ".join(f"*{lab}*: allreduce {stat(lab, 'allreduce')}, broadcast {stat(lab, 'broadcast')}"
+                                     for lab in labels) + ".",
         "",
         f"![gap]({png})",
         "",
-    )
+    ]
+    sec.add(*reading)
     return sec
 
 
@@ -288,52 +352,89 @@ def figure_b(out: Path, quick: bool, params: SimParams) -> Section:
     sec = Section("(b) DGX-2: allreduce at small sizes, one-hop trees against NCCL")
     plan = plan_for(topo, "allreduce", channels=["nvlink"])
     depths = sorted({t.depth() for t in plan.trees if t.fraction > 1e-9})
+    fan = dataclasses.replace(SIM_SCHEDULE, fanin=True)
     sizes = [2**k for k in range(10, 27, 2 if not quick else 4)]  # 1 KiB .. 64 MiB
     rows = []
     for s in sizes:
         est = simulate_plan(plan, topo, s, None, params)
+        efan = simulate_plan(plan, topo, s, None, params, schedule=fan)
         nc = nccl_estimate(topo, "allreduce", s, params)
         dbt = nccl_estimate(topo, "allreduce", s, params, algorithms=("tree",), tree_hops=dbt_depth(topo.n))
-        rows.append((s, est, nc, dbt))
+        rows.append((s, est, efan, nc, dbt))
+    xs = [r[0] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    ax1.loglog([s for s, *_ in rows], [e.time_s * 1e6 for _, e, _, _ in rows], "o-", label="Blink (simulated)")
-    ax1.loglog([s for s, *_ in rows], [n.time_s * 1e6 for _, _, n, _ in rows], "s-", label="NCCL model (its choice)")
-    ax1.loglog([s for s, *_ in rows], [d.time_s * 1e6 for *_, d in rows], "^--", label="NCCL, idealized double binary tree")
+    ax1.loglog(xs, [r[1].time_s * 1e6 for r in rows], "o-", label="Blink, one reduce op per child (runtime op kinds)")
+    ax1.loglog(xs, [r[2].time_s * 1e6 for r in rows], "D-", label="Blink, one fan-in op per chunk (paper's one-hop trees)")
+    ax1.loglog(xs, [r[3].time_s * 1e6 for r in rows], "s-", label="NCCL model (its choice)")
+    ax1.loglog(xs, [r[4].time_s * 1e6 for r in rows], "^--", label="NCCL, idealized double binary tree")
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("allreduce size (bytes)")
     ax1.set_ylabel("time (us)")
-    ax1.legend(fontsize=8)
+    ax1.legend(fontsize=7)
     ax1.set_title("DGX-2, 16 GPUs: latency")
-    ax2.semilogx([s for s, *_ in rows], [n.time_s / e.time_s for s, e, n, _ in rows], "o-", label="vs NCCL model")
-    ax2.semilogx([s for s, *_ in rows], [d.time_s / e.time_s for s, e, _, d in rows], "^--", label="vs idealized DBT")
+    ax2.semilogx(xs, [r[3].time_s / r[1].time_s for r in rows], "o-", label="per-child reduces vs NCCL model")
+    ax2.semilogx(xs, [r[3].time_s / r[2].time_s for r in rows], "D-", label="fan-in vs NCCL model")
+    ax2.semilogx(xs, [r[4].time_s / r[2].time_s for r in rows], "^--", label="fan-in vs idealized DBT")
     ax2.set_xscale("log", base=2)
     ax2.axhline(1, color="grey", lw=0.8, ls="--")
     ax2.set_xlabel("allreduce size (bytes)")
     ax2.set_ylabel("speedup of Blink (time ratio)")
     ax2.set_title("paper: up to 3.32x lower latency, 3.5x throughput")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=7)
     png = _save(fig, out, "b_dgx2_small_allreduce.png")
     plt.close(fig)
-    best_lat = max(rows, key=lambda x: x[2].time_s / x[1].time_s)
+    best_seq = max(rows, key=lambda x: x[3].time_s / x[1].time_s)
+    best_fan = max(rows, key=lambda x: x[3].time_s / x[2].time_s)
+    small = rows[0]
+    n = topo.n
+    per_child = params.launch_s + (n - 1) * (params.copy_s + params.reduce_extra_s) + params.post_s + params.copy_s
+    one_op = params.launch_s + (params.copy_s + params.reduce_extra_s) + params.post_s + params.copy_s
     sec.add(
         f"16 GPUs on one NVSwitch, allreduce from 1 KiB to 64 MiB. The planner's plan has {len(plan.trees)} trees of depth "
         f"{'/'.join(map(str, depths))} (one hop: every GPU roots its 1/16 and reaches every other GPU through the switch). "
         "NCCL is modelled by its own cost model (ring or tree, LL/LL128/Simple, whichever it predicts fastest; within a "
         "server NCCL's tree is a chain); the idealized double binary tree prices NCCL's tree with log2 depth instead.",
         "",
-        "| | paper | ours |",
-        "| --- | --- | --- |",
-        f"| lower latency than NCCL (best size) | up to 3.32x | {best_lat[2].time_s / best_lat[1].time_s:.2f}x at {format_size(best_lat[0])} "
-        f"(Blink {best_lat[1].time_s * 1e6:.1f} us, NCCL {best_lat[2].time_s * 1e6:.1f} us {best_lat[2].algorithm}/{best_lat[2].protocol}) |",
-        f"| higher throughput than NCCL (best size) | 3.5x | {best_lat[2].time_s / best_lat[1].time_s:.2f}x (at one size the throughput ratio is the time ratio) |",
+        "Two Blink programs of the same plan: with the op kinds the runtimes execute, a root reduces its 15 children's "
+        "chunks one `reduce` op after the other (they write one region, so they cannot overlap), and at small sizes "
+        f"those {n - 1} fixed costs are the whole time: launch {params.launch_s * 1e6:g} us + {n - 1} x "
+        f"{(params.copy_s + params.reduce_extra_s) * 1e6:g} us + post {params.post_s * 1e6:g} us + copy "
+        f"{params.copy_s * 1e6:g} us = {per_child * 1e6:.1f} us. The paper's one-hop trees reduce all peers in one "
+        f"kernel: a `fanin` op (program.py, `compile_program(..., fanin=True)`) pays one fixed cost, "
+        f"{one_op * 1e6:.1f} us in all. The runtimes do not execute `fanin` ops yet (they refuse them), so the "
+        "fan-in row is what this simulator predicts for a runtime that adds a multi-peer reduce kernel.",
         "",
-        "| size | Blink (us) | NCCL model (us, choice) | idealized DBT (us) | speedup vs NCCL |",
-        "| --- | --- | --- | --- | --- |",
+        "| | paper | ours, per-child reduces | ours, fan-in |",
+        "| --- | --- | --- | --- |",
+        f"| lower latency than NCCL (best size) | up to 3.32x | {best_seq[3].time_s / best_seq[1].time_s:.2f}x at {format_size(best_seq[0])} | "
+        f"{best_fan[3].time_s / best_fan[2].time_s:.2f}x at {format_size(best_fan[0])} (Blink {best_fan[2].time_s * 1e6:.1f} us, "
+        f"NCCL {best_fan[3].time_s * 1e6:.1f} us {best_fan[3].algorithm}/{best_fan[3].protocol}) |",
+        f"| at {format_size(small[0])} | - | {small[3].time_s / small[1].time_s:.2f}x | {small[3].time_s / small[2].time_s:.2f}x |",
+        f"| higher throughput than NCCL (best size) | 3.5x | {best_seq[3].time_s / best_seq[1].time_s:.2f}x | "
+        f"{best_fan[3].time_s / best_fan[2].time_s:.2f}x (at one size the throughput ratio is the time ratio) |",
+        "",
+        "| size | Blink, per-child (us) | Blink, fan-in (us) | NCCL model (us, choice) | idealized DBT (us) | speedup per-child / fan-in |",
+        "| --- | --- | --- | --- | --- | --- |",
     )
-    for s, e, n, d in rows:
-        sec.add(f"| {format_size(s)} | {e.time_s * 1e6:.1f} | {n.time_s * 1e6:.1f} ({n.algorithm}/{n.protocol}) | {d.time_s * 1e6:.1f} | {n.time_s / e.time_s:.2f}x |")
-    sec.add("", f"![dgx2]({png})", "")
-    sec.metrics = {"best_latency_ratio": best_lat[2].time_s / best_lat[1].time_s}
+    for s, e, ef, nc, d in rows:
+        sec.add(f"| {format_size(s)} | {e.time_s * 1e6:.1f} | {ef.time_s * 1e6:.1f} | {nc.time_s * 1e6:.1f} ({nc.algorithm}/{nc.protocol}) | "
+                f"{d.time_s * 1e6:.1f} | {nc.time_s / e.time_s:.2f}x / {nc.time_s / ef.time_s:.2f}x |")
+    sec.add(
+        "",
+        "Why not 3.32x: the paper's ratio is against NCCL as measured on its DGX-2; ours is against NCCL's own cost "
+        f"model (tuning.cc), whose LL ring moves a 1 KiB message around 16 GPUs in {small[3].time_s * 1e6:.1f} us. Any "
+        f"Blink program pays a graph launch ({params.launch_s * 1e6:g} us) and three dependent device operations "
+        f"(reduce, post, copy), {one_op * 1e6:.1f} us with fan-in, so at 1 KiB it can at best match that model. The "
+        "gain the simulator does show is at mid sizes, where one hop through the switch beats NCCL's 2 (n - 1) ring "
+        "steps and the chain it uses as a tree. If the real NCCL's small-message latency is higher than its cost "
+        "model's (the paper's measurement suggests it was, in 2019), the real ratio is higher than ours.",
+        "",
+        f"![dgx2]({png})",
+        "",
+    )
+    sec.metrics = {"best_latency_ratio": best_seq[3].time_s / best_seq[1].time_s,
+                   "best_latency_ratio_fanin": best_fan[3].time_s / best_fan[2].time_s,
+                   "best_size_fanin": best_fan[0]}
     return sec
 
 
@@ -345,41 +446,75 @@ def figure_c(out: Path, nvlink_rows: list[Row], quick: bool, params: SimParams) 
     sec = Section("(c) Hybrid NVLink + PCIe broadcast: the gain over NVLink alone")
     rows = [r for r in nvlink_rows if r.collective == "broadcast"]
     gains: dict[int, list[float]] = {}
+    planner_gains: dict[int, list[float]] = {}
+    shares: dict[int, list[tuple[float, float, float]]] = {}
     with Progress(len(rows), "hybrid") as bar:
         for r in rows:
             sub = topo.allocate(r.gpus)
             plan = plan_for(sub, "broadcast", root=r.gpus[0], channels=["nvlink", "pcie"])
-            est = simulate_plan(plan, sub, r.size_bytes, None, params)
-            gain = r.size_bytes / est.time_s / GB - r.size_bytes / r.blink_s / GB
-            gains.setdefault(len(r.gpus), []).append(gain)
+            split = hybrid_split(plan, sub, r.size_bytes, params)
+            est = simulate_plan(split, sub, r.size_bytes, None, params, split=False)
+            k = len(r.gpus)
+            gains.setdefault(k, []).append(r.size_bytes / est.time_s / GB - r.size_bytes / r.blink_s / GB)
+            info = split.extras.get("hybrid_split", {})
+            shares.setdefault(k, []).append((info.get("planner_pcie_fraction", 0.0), info.get("pcie_fraction", 0.0),
+                                             info.get("switch_s", 0.0)))
+            if k >= 7:  # the planner's own split (no switch latency), where the two differ most
+                raw = simulate_plan(plan, sub, r.size_bytes, None, params, split=False)
+                planner_gains.setdefault(k, []).append(r.size_bytes / raw.time_s / GB - r.size_bytes / r.blink_s / GB)
             bar.advance(_alloc(r.gpus))
     ks = sorted(gains)
     means = [sum(gains[k]) / len(gains[k]) for k in ks]
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.plot(ks, means, "o-", label="ours (mean over allocations)")
+    ax.plot(ks, means, "o-", label="ours, Blink's split with the switch latency (mean)")
+    pk = sorted(planner_gains)
+    if pk:
+        ax.plot(pk, [sum(planner_gains[k]) / len(planner_gains[k]) for k in pk], "x:", label="ours, the planner's split by bandwidth alone")
     ax.plot([3, 4, 7, 8], [5, 5, 2, 2], "s--", color="grey", label="paper (about)")
+    ax.axhline(0, color="k", lw=0.5)
     ax.set_xlabel("GPUs in the allocation")
     ax.set_ylabel("broadcast throughput gain (GB/s)")
     ax.set_title("DGX-1V, 1 GiB broadcast: hybrid minus NVLink-only")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     png = _save(fig, out, "c_hybrid_gain.png")
     plt.close(fig)
     sec.add(
         "Each NVLink-connected DGX-1V allocation, 1 GiB broadcast from its first GPU, planned on NVLink alone and on "
-        f"NVLink + PCIe (the planner's split, section 3.4); the PCIe channel runs at {topo.pcie.bandwidth_gbps:g} GB/s per GPU "
-        f"and the hybrid program pays the channel switch ({params.pcie_switch_s * 1e6:.0f} us per GPU pair of the PCIe trees "
-        "that NVLink also joins, params.py) before its first PCIe byte. The planner splits the bytes by bandwidth alone "
-        "(max(T_pcie, T_nvlink), section 3.4, without the switch cost or pipeline fill), so where the PCIe share's "
-        "trees are deep or the switch is costly the PCIe part finishes last and the gain can turn negative.",
+        f"NVLink + PCIe (section 3.4); the PCIe channel runs at {topo.pcie.bandwidth_gbps:g} GB/s per GPU, and the hybrid "
+        f"program pays the channel switch ({params.pcie_switch_s * 1e6:.0f} us per GPU pair of the PCIe trees that NVLink "
+        "also joins, serialized, params.py) before its first PCIe byte. The planner splits the bytes by bandwidth alone "
+        "(planner/hybrid.py); Blink's split (section 3.4: \"the split uses measured peer-access-disable latency and the "
+        "bandwidths of PCIe and NVLink trees\") also counts the switch: `x S / R_pcie + T_switch = (1 - x) S / R_nvlink` "
+        "(sim/blink.py `hybrid_split`), which is what the simulator runs.",
         "",
-        "| GPUs | allocations | paper: gain | ours: mean gain | ours: min / max |",
-        "| --- | --- | --- | --- | --- |",
+        "| GPUs | allocations | paper: gain | ours: mean gain | ours: min / max | PCIe share: planner -> with switch | switch latency | planner's split: mean gain |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     )
     paper = {3: "about +5 GB/s", 4: "about +5 GB/s", 7: "about +2 GB/s", 8: "about +2 GB/s"}
     for k, m in zip(ks, means):
-        sec.add(f"| {k} | {len(gains[k])} | {paper.get(k, '-')} | {m:+.2f} GB/s | {min(gains[k]):+.2f} / {max(gains[k]):+.2f} |")
-    sec.add("", f"![hybrid]({png})", "")
-    sec.metrics = {"mean_gain": dict(zip(ks, means))}
+        sh = shares[k]
+        f0 = sum(x[0] for x in sh) / len(sh)
+        f1 = sum(x[1] for x in sh) / len(sh)
+        sw = sum(x[2] for x in sh) / len(sh)
+        pg = planner_gains.get(k)
+        pgs = f"{sum(pg) / len(pg):+.2f} GB/s" if pg else "-"
+        sec.add(f"| {k} | {len(gains[k])} | {paper.get(k, '-')} | {m:+.2f} GB/s | {min(gains[k]):+.2f} / {max(gains[k]):+.2f} | "
+                f"{f0 * 100:.1f}% -> {f1 * 100:.1f}% | {sw * 1e6:.0f} us | {pgs} |")
+    sec.add(
+        "",
+        "Reading: the gain falls with the GPU count, as in the paper, because the PCIe trees of a larger allocation "
+        "span more GPU pairs that NVLink also joins, each paying the switch, while the NVLink transfer they overlap gets "
+        "shorter (more NVLink bandwidth). The planner's split ignores that latency, so at 7-8 GPUs its PCIe share finishes "
+        "last and the hybrid broadcast is slower than NVLink alone; with the switch latency in the split the PCIe share "
+        "shrinks and the gain stays positive. Our gains are larger than the paper's at 3-6 GPUs because PCIe here "
+        "delivers its nominal rate to every GPU at once (the paper measured 8-12 GB/s) and the switch latency is an "
+        "assumption (the paper measures it but does not print it).",
+        "",
+        f"![hybrid]({png})",
+        "",
+    )
+    sec.metrics = {"mean_gain": dict(zip(ks, means)),
+                   "planner_split_mean_gain": {k: sum(v) / len(v) for k, v in planner_gains.items()}}
     return sec
 
 
@@ -512,6 +647,16 @@ def model_section(params: SimParams) -> Section:
         "directions it crosses (a direct NVLink bundle; the two switch ports of a route through an NVSwitch; the GPU's and "
         "the switch group's PCIe lanes). Concurrent flows share a resource equally; a flow moves at its smallest share. "
         "Links move bytes at the topology's `bandwidth_gbps`; pipeline fill and drain emerge from the dependencies.",
+        "",
+        f"**Schedule** (sim/blink.py `SIM_SCHEDULE`: {SIM_SCHEDULE.label()}): plans are compiled by "
+        "`compile_program` with options the runtimes do not use by default: one lane per tree and link; every tree the "
+        "same number of chunks, sized in proportion to its fraction (`chunking=\"even\"`); a transfer over a link waits "
+        f"for the other trees' transfers over that link {SIM_SCHEDULE.pace} pipeline steps back (`pace`), so that "
+        "trees sharing a link move at their planned rates rather than the equal shares the link gives concurrent "
+        f"transfers; {SIM_SCHEDULE.streams} lanes per tree and link, alternating chunks, with a half-size first and "
+        "last chunk (`streams`), so one chunk's fixed costs overlap another's bytes. Figure (f) shows what each of "
+        f"these is worth, and the runtimes' own schedule ({RUNTIME_SCHEDULE.label()}). The chunk size is the "
+        "power of two with the least closed-form estimate of the simulated time (sim/blink.py `predict_time`).",
         "",
         "**Costs** (sim/params.py, each with its source):",
         "",

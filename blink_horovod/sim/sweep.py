@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..planner.plan import Plan
 from ..topology.model import Topology
-from .blink import plan_for, simulate_plan
+from .blink import Schedule, plan_for, simulate_plan
 from .nccl import RingSet, nccl_estimate, nccl_rings
 from .params import DEFAULT_PARAMS, SimParams
 from .progress import Progress
@@ -128,6 +128,7 @@ def compare(
     plan: Plan | None = None,
     rings: RingSet | None = None,
     lanes: str | None = None,
+    schedule: Schedule | None = None,
 ) -> Row:
     """Simulate Blink and the NCCL model for one collective on ``topology`` (an allocation)."""
     if collective not in COLLECTIVES:
@@ -135,7 +136,7 @@ def compare(
     if plan is None:
         root = topology.gpus[0] if collective == "broadcast" else None
         plan = plan_for(topology, collective, root=root, channels=channels)
-    est = simulate_plan(plan, topology, size_bytes, chunk_bytes, params, lanes=lanes)
+    est = simulate_plan(plan, topology, size_bytes, chunk_bytes, params, lanes=lanes, schedule=schedule)
     nc = nccl_estimate(topology, collective, size_bytes, params, rings=rings)
     speedup = nc.time_s / est.time_s if est.time_s > 0 else math.inf
     return Row(
@@ -158,12 +159,13 @@ def compare(
 
 def _job(args: tuple) -> list[Row]:
     """One (allocation, collective) with all sizes: the unit of work of a sweep."""
-    topology, collective, sizes, channels, params, chunk_bytes, lanes = args
+    topology, collective, sizes, channels, params, chunk_bytes, lanes, schedule = args
     root = topology.gpus[0] if collective == "broadcast" else None
     plan = plan_for(topology, collective, root=root, channels=channels)
     rings = nccl_rings(topology, params)
     return [
-        compare(topology, collective, s, channels=channels, params=params, chunk_bytes=chunk_bytes, plan=plan, rings=rings, lanes=lanes)
+        compare(topology, collective, s, channels=channels, params=params, chunk_bytes=chunk_bytes, plan=plan, rings=rings,
+                lanes=lanes, schedule=schedule)
         for s in sizes
     ]
 
@@ -181,6 +183,7 @@ def sweep(
     jobs: int = 1,
     note: Callable[[str], None] | None = None,
     lanes: str | None = None,
+    schedule: Schedule | None = None,
 ) -> SweepResult:
     """Rows for every allocation x collective x size.
 
@@ -192,7 +195,8 @@ def sweep(
     channels : as ``blink plan --channels``; without ``pcie`` (``["nvlink"]``),
         allocations NVLink does not connect are skipped, with a ``note``.
     jobs : worker processes (1: in this process).
-    lanes : the compiler's lane policy (default: its own default).
+    lanes : overrides the lane policy of ``schedule``.
+    schedule : how plans are compiled (default sim/blink.py's ``SIM_SCHEDULE``).
     """
     for c in collectives:
         if c not in COLLECTIVES:
@@ -210,7 +214,7 @@ def sweep(
             skipped.append(a)
             continue
         for c in collectives:
-            work.append((sub, c, list(sizes), None if channels is None else list(channels), params, chunk_bytes, lanes))
+            work.append((sub, c, list(sizes), None if channels is None else list(channels), params, chunk_bytes, lanes, schedule))
     if skipped:
         shown = ", ".join(",".join(map(str, a)) for a in skipped[:8])
         more = f" and {len(skipped) - 8} more" if len(skipped) > 8 else ""

@@ -362,3 +362,87 @@ def test_meta_lanes_name_the_link_of_every_lane() -> None:
         for op in ops:
             if op.kind != "post":
                 assert lanes[op.stream] == (op.channel, op.peer)
+
+
+# -- the simulator's schedule options: chunking="even", pace, streams, fanin --------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=random_plans(), count=st.integers(0, 300), chunk=st.integers(1, 64), kind=st.sampled_from(["allreduce", "reduce", "broadcast", None]),
+       seed=st.integers(0, 99), lanes=st.sampled_from(["root", "link", "tree"]), pace=st.sampled_from([None, 1, 2, 4]),
+       streams=st.integers(1, 3), fanin=st.booleans())
+def test_property_schedule_options_check_and_replay_exactly(plan: Plan, count: int, chunk: int, kind, seed: int, lanes: str,
+                                                             pace, streams: int, fanin: bool) -> None:
+    prog = compile_program(plan, count, chunk, kind, lanes=lanes, chunking="even", pace=pace, streams=streams, fanin=fanin)
+    check_program(prog, plan)
+    rng = np.random.default_rng(seed)
+    inputs = [rng.integers(-50, 50, count).astype(np.float64) for _ in range(plan.n)]
+    out = replay(prog, inputs, seed=seed)
+    for r, lo, hi, want in expected(plan, prog, inputs, prog.kind):
+        np.testing.assert_array_equal(out[r][lo:hi], want[lo:hi])
+
+
+def test_even_chunking_gives_every_tree_the_same_chunk_count_in_proportion() -> None:
+    trees = (Tree(0, 0.75, ((0, 1), (1, 2))), Tree(0, 0.25, ((0, 2), (2, 1))))
+    plan = Plan("broadcast", "custom", (0, 1, 2), 0, trees, 1.0, 1.0)
+    prog = compile_program(plan, 4000, 300, chunking="even")
+    sizes: dict[int, list[int]] = {}
+    for op in prog.ranks[1]:
+        if op.kind == "copy":
+            sizes.setdefault(op.tree, []).append(op.count)
+    k = -(-3000 // 300)  # the largest tree's range in chunks of 300
+    assert [len(sizes[0]), len(sizes[1])] == [k, k]
+    assert sum(sizes[0]) == 3000 and sum(sizes[1]) == 1000
+    assert max(sizes[0]) == 300 and max(sizes[1]) == 100
+    # streams=2: two lanes per tree and link, the first and last chunk half size.
+    prog = compile_program(plan, 4000, 300, chunking="even", streams=2)
+    copies = [op for op in prog.ranks[1] if op.kind == "copy" and op.tree == 0]
+    assert len(copies) == k + 1 and copies[0].count == copies[-1].count == 150
+    assert len({op.stream for op in copies}) == 2
+    assert [op.stream for op in copies[:4]] == [copies[0].stream, copies[1].stream] * 2
+
+
+def test_pace_keeps_trees_sharing_a_link_within_pace_steps() -> None:
+    # Two trees over the link 0 -> 1; with pace 2 a transfer of step s waits for
+    # the other tree's latest transfer over that link of step <= s - 2.
+    trees = (Tree(0, 0.5, ((0, 1), (1, 2))), Tree(0, 0.5, ((0, 1), (0, 2))))
+    plan = Plan("broadcast", "custom", (0, 1, 2), 0, trees, 1.0, 1.0)
+    prog = compile_program(plan, 1000, 50, lanes="tree", chunking="even", pace=2)
+    check_program(prog, plan)
+    ops = prog.ranks[1]
+    link = [i for i, op in enumerate(ops) if op.kind == "copy" and op.peer == 0]
+    waited = 0
+    for i in link:
+        op = ops[i]
+        for j in op.after:
+            other = ops[j]
+            if other.kind == "copy" and other.peer == 0:
+                assert other.tree != op.tree and other.step <= op.step - 2
+                waited += 1
+    assert waited >= len(link) - 4
+    with pytest.raises(ScheduleError, match="pace"):
+        compile_program(plan, 10, 2, pace=0)
+    with pytest.raises(ScheduleError, match="chunking"):
+        compile_program(plan, 10, 2, chunking="odd")
+    with pytest.raises(ScheduleError, match="streams"):
+        compile_program(plan, 10, 2, streams=0)
+
+
+def test_fanin_reduces_every_child_in_one_op_and_the_checker_catches_a_missing_one() -> None:
+    star = tuple(Tree(g, 0.25, tuple((g, c) for c in range(4) if c != g)) for g in range(4))
+    plan = Plan("allreduce", "custom", (0, 1, 2, 3), None, star, 1.0, 1.0)
+    prog = compile_program(plan, 64, 16, fanin=True)
+    check_program(prog, plan)
+    fan = [op for op in prog.ranks[0] if op.kind == "fanin"]
+    assert len(fan) == 1 and sorted(q for q, _ in fan[0].peers) == [1, 2, 3]
+    assert not any(op.kind == "reduce" for op in prog.ranks[0])
+    assert prog.readers()[3] == frozenset({0, 1, 2})
+    # Drop one source of the root's fan-in: the checker names the wrong result.
+    import dataclasses
+
+    ranks = [list(ops) for ops in prog.ranks]
+    i = ranks[0].index(fan[0])
+    ranks[0][i] = dataclasses.replace(fan[0], peers=fan[0].peers[:2])
+    broken = dataclasses.replace(prog, ranks=tuple(tuple(o) for o in ranks))
+    with pytest.raises(ScheduleError, match="wrong result"):
+        check_program(broken)

@@ -9,7 +9,12 @@ import math
 import pytest
 
 from blink_horovod.planner.plan import Plan, Tree
-from blink_horovod.sim.blink import choose_chunk_bytes, predict_time, simulate_plan
+from blink_horovod.sim.blink import (
+    RUNTIME_SCHEDULE,
+    choose_chunk_bytes,
+    predict_time,
+    simulate_plan,
+)
 from blink_horovod.sim.multiserver import hierarchical_allreduce
 from blink_horovod.sim.params import DEFAULT_PARAMS, SimParams
 from blink_horovod.sim.progress import Progress
@@ -59,7 +64,12 @@ def test_chain_broadcast_is_close_to_its_bound_and_the_estimate_tracks_the_simul
     assert 0 <= est.over_bound < 0.05
     assert predict_time(plan, topo, GiB, chunk) == pytest.approx(est.time_s, rel=0.02)
     # Smaller chunks pay more fixed costs; the chosen chunk is no worse than them.
-    assert simulate_plan(plan, topo, GiB, 2**18).time_s > est.time_s
+    assert simulate_plan(plan, topo, GiB, chunk // 4).time_s > est.time_s
+    # The runtimes' schedule (one lane, fixed chunks) too, with its own estimate.
+    chunk = choose_chunk_bytes(plan, topo, GiB, schedule=RUNTIME_SCHEDULE)
+    est = simulate_plan(plan, topo, GiB, chunk, schedule=RUNTIME_SCHEDULE)
+    assert 0 <= est.over_bound < 0.05
+    assert predict_time(plan, topo, GiB, chunk, schedule=RUNTIME_SCHEDULE) == pytest.approx(est.time_s, rel=0.02)
 
 
 def test_compare_row_against_nccl_fallback():
@@ -107,10 +117,14 @@ def test_progress_bar_lines_when_not_a_terminal():
 def test_zero_cost_params_give_the_bandwidth_bound_for_a_single_tree():
     topo = resolve("dgx1v:0,1,2")
     plan = chain_plan([0, 1, 2], 25.0)
-    est = simulate_plan(plan, topo, GiB, 2**20, SimParams.zero_cost())
+    est = simulate_plan(plan, topo, GiB, 2**20, SimParams.zero_cost(), schedule=RUNTIME_SCHEDULE)
     chunks = GiB // 2**20
     # 0 -> 1 is one NVLink (25 GB/s), 1 -> 2 two (50 GB/s): the last chunk's second hop takes half as long.
     assert est.time_s == pytest.approx(chunks * 2**20 / 25e9 + 2**20 / 50e9)
+    # The simulator's schedule: two lanes share 0 -> 1 and end together at the bound with the last full chunk
+    # and the half-size last one, which then cross 1 -> 2 together.
+    est = simulate_plan(plan, topo, GiB, 2**20, SimParams.zero_cost())
+    assert est.time_s == pytest.approx(chunks * 2**20 / 25e9 + (2**20 + 2**19) / 50e9)
 
 
 def test_miad_on_the_simulator_walks_from_1mb_and_keeps_the_best():
@@ -118,10 +132,11 @@ def test_miad_on_the_simulator_walks_from_1mb_and_keeps_the_best():
 
     topo = resolve("dgx1v:0,1,2")
     plan = chain_plan([0, 1, 2], 25.0)
-    best, walk = tune_chunk_miad(plan, topo, 256 * 2**20)
+    # The runtimes' schedule, where the chunk size matters most (one lane: fixed costs in series).
+    best, walk = tune_chunk_miad(plan, topo, 256 * 2**20, schedule=RUNTIME_SCHEDULE)
     assert walk[0][0] == 2**20 and walk[1][0] == 2**21  # 1 MB, then 2x
     assert 3 <= len(walk) <= 12
     assert best.chunk_bytes == max(walk, key=lambda w: w[1])[0]
     assert best.time_s == pytest.approx(256 * 2**20 / (max(w[1] for w in walk) * 1e9))
     # Fixed costs make 1 MB chunks slower than MIAD's pick.
-    assert best.time_s < simulate_plan(plan, topo, 256 * 2**20, 2**20).time_s
+    assert best.time_s < simulate_plan(plan, topo, 256 * 2**20, 2**20, schedule=RUNTIME_SCHEDULE).time_s
