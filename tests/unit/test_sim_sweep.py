@@ -63,8 +63,9 @@ def test_chain_broadcast_is_close_to_its_bound_and_the_estimate_tracks_the_simul
     assert est.bound_s == pytest.approx(GiB / 25e9)
     assert 0 <= est.over_bound < 0.05
     assert predict_time(plan, topo, GiB, chunk) == pytest.approx(est.time_s, rel=0.02)
-    # Smaller chunks pay more fixed costs; the chosen chunk is no worse than them.
-    assert simulate_plan(plan, topo, GiB, chunk // 4).time_s > est.time_s
+    # The chosen chunk is within 1% of the best power of two, 256 KiB .. 16 MiB, as simulated.
+    best = min(simulate_plan(plan, topo, GiB, 2**k).time_s for k in range(18, 25))
+    assert est.time_s <= best * 1.01
     # The runtimes' schedule (one lane, fixed chunks) too, with its own estimate.
     chunk = choose_chunk_bytes(plan, topo, GiB, schedule=RUNTIME_SCHEDULE)
     est = simulate_plan(plan, topo, GiB, chunk, schedule=RUNTIME_SCHEDULE)
