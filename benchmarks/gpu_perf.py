@@ -111,7 +111,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0,
                     help="run N virtual ranks as threads of this one process (no mpirun): one CUDA context, so "
                          "ranks sharing a GPU are not time-sliced against each other as processes are")
-    ap.add_argument("--flag-ops", default=None, choices=["auto", "kernel", "memop"],
+    ap.add_argument("--flag-ops", default=None, choices=["auto", "kernel", "memop", "fused"],
                     help="how ranks signal on the device (BLINK_GPU_FLAGS; default auto: memop for processes "
                          "sharing a GPU, kernel otherwise)")
     ap.add_argument("--profile", default=None,
@@ -206,10 +206,8 @@ def run_threads(args) -> int:
                             cuda=SameProcessCuda(0, flag_ops=mode_flags))
             # Load every CUDA module before any rank launches: loading a module may wait for the whole
             # context, i.e. for peer threads' graphs that wait for this rank's first launch.
-            if srv.ex.cuda.flag_ops == "kernel":
-                srv.ex.cuda._flag_kernels()
             for dt in (GPU_DTYPES if args.dtype == "all" else tuple(args.dtype.split(","))):
-                srv.ex._module(dt)
+                srv.ex.preload(dt)
             srv.ex.cuda.synchronize()
             bar.wait()
             comm = _Comm(lambda obj: bcast(obj, r), bar.wait, lambda x, op: allreduce(x, op, r))

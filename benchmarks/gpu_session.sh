@@ -23,6 +23,16 @@ MPI=(mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x 
      -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x BLINK_TIMEOUT_SECONDS)
 PERF=(benchmarks/gpu_perf.py -c 1 -w 2)
 
+# MPS=1: run every step as a client of one MPS server (started here, stopped at exit): processes
+# sharing the GPU then run concurrently instead of time-sliced.
+if [ "${MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/blink-mps CUDA_MPS_LOG_DIRECTORY=/tmp/blink-mps-log
+    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+    nvidia-cuda-mps-control -d && sleep 1
+    MPI+=(-x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY)
+    MPS_ON=1
+fi
+[ -n "${BLINK_GPU_FLAGS:-}" ] && MPI+=(-x BLINK_GPU_FLAGS)
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 want() { [ "$STEPS" = all ] || [[ " $STEPS " == *" $1 "* ]]; }
 step() {  # step NAME LIMIT_S COMMAND...
@@ -41,7 +51,13 @@ step() {  # step NAME LIMIT_S COMMAND...
     rc=$?
     echo "rc=$rc $name (limit ${limit}s) at $(($(date +%s) - START))s" >>"$R/summary.txt"
 }
-pack() { tar -czf "$OUT/results.tar.gz" -C "$OUT" r; cp "$R/summary.txt" "$OUT/summary.txt"; }
+pack() {
+    if [ "${MPS_ON:-0}" = 1 ]; then
+        echo quit | nvidia-cuda-mps-control; sleep 1
+        tail -30 "$CUDA_MPS_LOG_DIRECTORY"/*.log >"$R/mps-logs.txt" 2>&1
+    fi
+    tar -czf "$OUT/results.tar.gz" -C "$OUT" r; cp "$R/summary.txt" "$OUT/summary.txt"
+}
 trap pack EXIT
 
 envinfo() {
@@ -89,5 +105,21 @@ step threads-bcast 25 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 16 -n 5 --colle
     --topology dgx1v --json "$R/threads-bcast.json" --time-limit 20
 step threads-hgx 25 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 16 -n 5 --dtype float32 --topology hgx-h200 \
     --json "$R/threads-hgx.json" --time-limit 20
+# The whole program as one kernel (BLINK_GPU_FLAGS=fused; meant for MPS=1).
+FUSED=(--flag-ops fused --topology dgx1v)
+step fused-smoke 60 "${MPI[@]}" -np 2 $PY "${PERF[@]}" "${FUSED[@]}" -b 4 -e 4M -f 8 -n 10 --dtype float32 \
+    --json "$R/fused-smoke.json" --time-limit 40
+step fused-n2 110 "${MPI[@]}" -np 2 $PY "${PERF[@]}" "${FUSED[@]}" -b 4 -e 1G -f 4 -n 10 --dtype "${DTYPES:-all}" \
+    --json "$R/fused-n2.json" --time-limit 95
+step kernel-n2 60 "${MPI[@]}" -np 2 $PY "${PERF[@]}" --flag-ops kernel --topology dgx1v -b 4 -e 1G -f 4 -n 10 \
+    --dtype float32 --json "$R/kernel-n2.json" --time-limit 45
+step fused-n4 130 "${MPI[@]}" -np 4 $PY "${PERF[@]}" "${FUSED[@]}" -b 4 -e 1G -f 4 -n 10 --dtype "${DTYPES:-all}" \
+    --json "$R/fused-n4.json" --time-limit 110
+step fused-n8 160 "${MPI[@]}" -np 8 $PY "${PERF[@]}" "${FUSED[@]}" -b 4 -e 1G -f 4 -n 5 --dtype "${DTYPES:-all}" \
+    --json "$R/fused-n8.json" --time-limit 140
+step fused-bcast-n8 60 "${MPI[@]}" -np 8 $PY "${PERF[@]}" "${FUSED[@]}" --collective broadcast -b 4 -e 1G -f 16 \
+    -n 5 --dtype float32 --json "$R/fused-bcast-n8.json" --time-limit 45
+step fused-tests 300 env BLINK_GPU_FLAGS=fused $PY -m pytest -v -p no:cacheprovider -rs -s \
+    tests/parallel/test_gpu_collectives.py ${TESTS_K:+-k "$TESTS_K"}
 echo "done at $(($(date +%s) - START))s" >>"$R/summary.txt"
 cat "$R/summary.txt"

@@ -52,7 +52,7 @@ BLINK_FAULT = "BLINK_FAULT"
 # blocked wait lets the driver switch to another process's context at once), or "auto" (memop when
 # several processes share one GPU, kernel otherwise).  See docs/gpu-runtime.md.
 BLINK_GPU_FLAGS = "BLINK_GPU_FLAGS"
-GPU_FLAG_MODES = ("auto", "kernel", "memop")
+GPU_FLAG_MODES = ("auto", "kernel", "memop", "fused")
 
 ALL_VARIABLES = (
     BLINK_ENABLE,

@@ -64,16 +64,17 @@ def test_back_to_back_mixed_collectives_without_host_sync() -> None:
 
 @pytest.mark.timeout(300)
 def test_host_time_is_flat_in_the_number_of_chunks() -> None:
-    # Kernel flags: graph launches whose host cost does not grow with the nodes (memory-operation nodes,
-    # the default where processes share a GPU, cost ~3.6 us each at launch).
-    # Few repetitions: without MPS every cross-process wait of a spinning kernel costs a time slice.
-    outs = run_ranks(4, "hosttime", "20", timeout=280, env={"BLINK_GPU_FLAGS": "kernel"})
+    # The acceptance: host time per collective <= 20 us at every chunk count from 1 to 256.  The whole
+    # program is one kernel (BLINK_GPU_FLAGS=fused), so a launch is one 3-node graph whatever the chunks.
+    # Spinning kernels of processes sharing a GPU need MPS (else every wait costs a time slice): the
+    # device session starts it (benchmarks/gpu_session.sh, MPS=1).
+    outs = run_ranks(4, "hosttime", "200", timeout=280, env={"BLINK_GPU_FLAGS": "fused"})
     for out in outs:
         assert out.get("rc") == 0, out
     rows = outs[0]["hosttime"]
     print(json.dumps(rows, indent=1))
     for row in rows:
-        assert row["launch_us"] <= 20.0, rows
+        assert row["total_us"] <= 20.0, rows
 
 
 @pytest.mark.timeout(200)

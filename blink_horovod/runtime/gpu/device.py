@@ -79,7 +79,7 @@ def device_count() -> int:
     return int(cupy.cuda.runtime.getDeviceCount())
 
 
-FLAG_OPS = ("kernel", "memop")
+FLAG_OPS = ("kernel", "memop", "fused")  # fused: the whole program as one kernel (.fused)
 
 # Flag words as tiny kernels (Blink section 4 generates the whole program as CUDA code; these are its
 # synchronisation primitives).  The wait spins with volatile loads and a short back-off so that the
@@ -245,7 +245,7 @@ class Cuda:
         captured into graphs; a graph's launch costs ~3.6 us of host time per memory-operation node
         on the H200 machine (benchmarks/gpu_pingpong.py: 461 us for 128) but far less per kernel node,
         which is why kernels are the default."""
-        if self.flag_ops == "kernel":
+        if self.flag_ops != "memop":
             with self.cupy.cuda.ExternalStream(stream):
                 self._flag_kernels()[1]((1,), (1,), (np.uint64(addr), np.uint32(value)))
             return
@@ -256,7 +256,7 @@ class Cuda:
     def wait_value_and(self, stream: int, addr: int, mask: int) -> None:
         """Later work of the stream waits until ``*addr & mask != 0`` (a spinning one-thread kernel, or
         ``cuStreamWaitValue32(AND)`` with ``flag_ops="memop"``)."""
-        if self.flag_ops == "kernel":
+        if self.flag_ops != "memop":
             with self.cupy.cuda.ExternalStream(stream):
                 self._flag_kernels()[0]((1,), (1,), (np.uint64(addr), np.uint32(mask)))
             return

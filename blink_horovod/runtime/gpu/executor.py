@@ -102,7 +102,11 @@ class GpuExecutor:
             ndev = device_count()
             cuda = Cuda(self.rank % ndev if device is None else device,
                         flag_ops=flag_mode(flag_ops, self.nranks, ndev))
+        else:
+            ndev = 1  # an injected device (virtual ranks): every rank on it
         self.cuda = cuda
+        self._ranks_on_device = -(-self.nranks // max(1, ndev))
+        self._fused: dict[tuple, tuple[Lowered, Any]] = {}
         self.seq = 0
         self.epoch = 0
         self.failed: BaseException | None = None
@@ -175,7 +179,7 @@ class GpuExecutor:
             grew = self._reserve(need_bytes, need_words, ctx)
             sp = self.cuda.stream_pointer(stream)
             base = device_pointer(arr)
-            mod = self._module(dtype)
+            mod = None if getattr(self.cuda, "flag_ops", "") == "fused" else self._module(dtype)
             self._waited = 0.0
             for piece, lw in zip(pieces, lows):
                 self.epoch += 1
@@ -249,6 +253,21 @@ class GpuExecutor:
         self._lowered[key] = (program, lw)
         return lw
 
+    def preload(self, dtype: str) -> Any:
+        """Compile and load ``dtype``'s module of the current flag mode now (virtual ranks load every
+        module before any rank launches: loading may wait for the whole context)."""
+        if getattr(self.cuda, "flag_ops", "") != "fused":
+            if self.cuda.flag_ops == "kernel":
+                self.cuda._flag_kernels()
+            return self._module(dtype)
+        from .fused import fused_source
+
+        mkey = "fused:" + dtype
+        mod = self._modules.get(mkey)
+        if mod is None:
+            mod = self._modules[mkey] = self.cuda.module(fused_source(dtype))
+        return mod
+
     def _module(self, dtype: str) -> Any:
         mod = self._modules.get(dtype)
         if mod is None:
@@ -263,6 +282,11 @@ class GpuExecutor:
         if hit is not None and hit[0] is lw:
             self._graphs.move_to_end(key)
             return hit[1]
+        if getattr(self.cuda, "flag_ops", "") == "fused":
+            exe = self._fused_graph(lw, dtype, itemsize, op, residue)
+            self.captures += 1
+            self._cache_graph(key, lw, exe)
+            return exe
         from .graph import Memory, capture
 
         while len(self._streams) < lw.nstreams:
@@ -275,6 +299,30 @@ class GpuExecutor:
         self.cuda.set_device()
         exe = capture(self.cuda, lw, mem, residue, dtype, itemsize, op, mod, self._streams, self._events)
         self.captures += 1
+        self._cache_graph(key, lw, exe)
+        return exe
+
+    def _fused_graph(self, lw: Lowered, dtype: str, itemsize: int, op: str, residue: int) -> int:
+        """The program as one kernel (:mod:`.fused`): encoded once per (lowering, itemsize, buffers)."""
+        from .fused import FusedProgram, blocks_per_group, fused_source
+
+        assert self._seg is not None
+        fkey = (id(lw), itemsize, self._gen)
+        hit = self._fused.get(fkey)
+        if hit is None or hit[0] is not lw:
+            blocks = blocks_per_group(lw.nstreams, self._ranks_on_device, int(getattr(self.cuda, "sms", 132)))
+            fp = FusedProgram(self.cuda, lw, self._flags, self._data, self._seg.words, itemsize, blocks, self._aux)
+            if hit is not None:
+                hit[1].free()
+            hit = self._fused[fkey] = (lw, fp)
+        mod = self.preload(dtype)
+        if not self._streams:
+            self._streams.append(self.cuda.stream())
+        self.cuda.set_device()
+        return hit[1].capture(residue, self._args_host + 8 * residue, self._args_dev + 8 * residue, dtype, op,
+                              mod, self._streams[0])
+
+    def _cache_graph(self, key: tuple, lw: Lowered, exe: int) -> None:
         self._graphs[key] = (lw, exe)
         if len(self._graphs) > self.max_graphs:
             # Destroying an exec that may still run is not allowed: drain first (rare).
@@ -282,7 +330,6 @@ class GpuExecutor:
             while len(self._graphs) > self.max_graphs // 2:
                 _, (_, old) = self._graphs.popitem(last=False)
                 self.cuda.destroy_exec(old)
-        return exe
 
     def _launch(self, exe: int, residue: int, user: int, stream: int, ctx: WaitContext) -> None:
         """Host work of one piece: O(1) calls, whatever the program."""
@@ -351,6 +398,9 @@ class GpuExecutor:
         for _, exe in self._graphs.values():
             self.cuda.destroy_exec(exe)
         self._graphs.clear()
+        for _, fp in self._fused.values():
+            fp.free()
+        self._fused.clear()
         for q, ptr in enumerate(self._peer_base):
             if ptr and q != self.rank:
                 self.cuda.ipc_close(ptr)
@@ -507,8 +557,8 @@ def flag_mode(requested: str | None, nranks: int, ndevices: int) -> str:
         requested = load_config().gpu_flags
     if requested == "auto":
         return "memop" if nranks > ndevices and not mps_active() else "kernel"
-    if requested not in ("kernel", "memop"):
-        raise ConfigError(f"BLINK_GPU_FLAGS: expected auto, kernel or memop, got {requested!r}")
+    if requested not in ("kernel", "memop", "fused"):
+        raise ConfigError(f"BLINK_GPU_FLAGS: expected auto, kernel, memop or fused, got {requested!r}")
     return requested
 
 

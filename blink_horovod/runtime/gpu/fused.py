@@ -1,0 +1,329 @@
+"""A rank's whole program as one generated kernel: host work per collective is one 3-node graph launch.
+
+Blink (MLSys 2020, section 4) generates CUDA code for its schedules; this is
+that option of issue 4 ("captured once as a CUDA graph, or generated as one
+kernel").  A graph of the lowered commands (:mod:`.graph`) costs host time per
+node at launch (measured on the H200: ~3.6 us per memory-operation node,
+~0.15 us per kernel node), so its launch grows with chunks and trees.  Here
+the commands of :func:`.lowering.lower` are *encoded* into a table in device
+memory once per (program, buffer generation), and one kernel interprets it:
+
+* each stream of the lowering becomes a *group* of ``B`` thread blocks that
+  runs the stream's commands in order;
+* ``wait``: one thread spins (volatile loads, ``__nanosleep``) on a peer's
+  flag word through its IPC mapping, then the block syncs; the accept mask is
+  computed from the epoch literal, exactly as :func:`.lowering.accept_mask`;
+* ``write`` and ``record`` end with a group barrier (every block's data is
+  fenced at system scope first), then block 0 stores the flag or the local
+  event word; ``join`` spins on the local event word;
+* data commands (``copy``, ``reduce``, ``stage_in``, ``stage_out``) are
+  split into 16 KiB *stripes of the shared buffer*, stripe ``s`` belonging to
+  block ``s % B`` of the group, whatever the command: a byte of the buffer is
+  always touched by the same block of a group, so consecutive data commands of
+  one stream need only ``__syncthreads``, not a group barrier;
+* every global load goes through L2 (``__ldcg``): L1 is not coherent with the
+  peers' writes.
+
+Host side: the graph is ``memcpy`` (the argument slot: the user tensor's
+address) -> ``memset`` (this table's barrier and event words) -> the kernel,
+one variant per epoch residue (:mod:`.lowering`), so a launch is O(1) host
+work whatever the number of chunks.  All groups of all ranks spin on each
+other, so they must be resident together: ``B`` is chosen so that the blocks
+of every rank sharing a device fit twice per SM (:func:`blocks_per_group`).
+On one GPU shared by processes *without* MPS the driver time-slices contexts
+and every spin costs a slice; the executor picks this mode only where ranks
+have their own GPUs or MPS runs (:func:`.executor.flag_mode`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ...errors import BlinkInternalError
+from .kernels import element_source, kernel_name
+from .lowering import COPY, JOIN, RECORD, REDUCE, RESET, STAGE_IN, STAGE_OUT, WAIT, WRITE, Lowered
+
+__all__ = ["CMD_WORDS", "STRIPE", "THREADS", "FusedProgram", "blocks_per_group", "decode", "encode", "fused_source"]
+
+THREADS = 256  # threads per block
+STRIPE = 16384  # bytes of the buffer per stripe (a multiple of 16 and of every itemsize)
+CMD_WORDS = 6  # int64 words per encoded command
+_CODE = {WAIT: 1, WRITE: 2, RESET: 3, COPY: 4, REDUCE: 5, STAGE_IN: 6, STAGE_OUT: 7, RECORD: 8, JOIN: 9}
+_KIND = {v: k for k, v in _CODE.items()}
+_ACCEPT_BIAS = 4  # accept offset d is bit d + 4 (d in -4..4)
+
+
+def encode(lw: Lowered, flags: Sequence[int], data: Sequence[int], flag_words: int, itemsize: int) -> np.ndarray:
+    """The int64 table one rank's kernel interprets.
+
+    Layout: ``[ngroups, nranks, flags[0..n), data[0..n), start[0..ngroups), commands...]``; ``start[g]`` is
+    the index of group ``g``'s first command, each command is ``CMD_WORDS`` words
+    ``[code, peer, a, b, c, 0]`` and every group ends with code 0:
+
+    ====== ============================ ==========================================
+    code   fields (a, b, c)             meaning
+    ====== ============================ ==========================================
+    wait   word, accept bits            flags[peer][word] & mask(epoch) != 0
+    write  word                         flags[rank][word] = value(epoch)
+    reset  flag words                   flags[rank][1:words] = 0
+    copy   byte offset, bytes           own[off:+n] = data[peer][off:+n]
+    reduce byte offset, bytes           own[off:+n] = op(own, data[peer])
+    stage  byte offset, bytes, user off user <-> own (stage_out finishes average)
+    record event                        event word = 1 (after a group barrier)
+    join   event                        wait until the event word is set
+    ====== ============================ ==========================================
+    """
+    n = lw.nranks
+    if len(flags) != n or len(data) != n:
+        raise BlinkInternalError(f"fused encode: {len(flags)} flag and {len(data)} data addresses for {n} ranks")
+    per = lw.by_stream()
+    head = [len(per), n, *map(int, flags), *map(int, data)]
+    body: list[list[int]] = []
+    starts = []
+    pos = len(head) + len(per)
+    for cmds in per:
+        starts.append(pos)
+        for c in cmds:
+            code = _CODE.get(c.kind)
+            if code is None:  # pragma: no cover - the lowering makes only these kinds
+                raise BlinkInternalError(f"fused encode: unknown command {c}")
+            if c.kind == WAIT:
+                bits = 0
+                for d in c.accept:
+                    if not -_ACCEPT_BIAS <= d <= _ACCEPT_BIAS:
+                        raise BlinkInternalError(f"fused encode: accept offset {d} outside -4..4")
+                    bits |= 1 << (d + _ACCEPT_BIAS)
+                row = [code, c.peer, c.word, bits, 0]
+            elif c.kind == WRITE:
+                row = [code, -1, c.word, 0, 0]
+            elif c.kind == RESET:
+                row = [code, -1, flag_words, 0, 0]
+            elif c.kind in (COPY, REDUCE):
+                row = [code, c.peer, c.offset * itemsize, c.count * itemsize, 0]
+            elif c.kind in (STAGE_IN, STAGE_OUT):
+                row = [code, -1, c.offset * itemsize, c.count * itemsize, c.user_offset * itemsize]
+            else:  # record, join
+                row = [code, -1, c.event, 0, 0]
+            body.append(row + [0])
+            pos += CMD_WORDS
+        body.append([0] * CMD_WORDS)
+        pos += CMD_WORDS
+    table = np.array(head + starts + [w for row in body for w in row], dtype=np.int64)
+    if len(table) != pos:  # pragma: no cover - layout arithmetic
+        raise BlinkInternalError("fused encode: table layout is inconsistent")
+    return table
+
+
+def decode(table: np.ndarray) -> list[list[tuple]]:
+    """Per group, the commands of a table as ``(kind, peer, a, b, c)`` (tests; the kernel's view)."""
+    ng, n = int(table[0]), int(table[1])
+    starts = table[2 + 2 * n: 2 + 2 * n + ng]
+    out = []
+    for s in starts:
+        cmds, i = [], int(s)
+        while table[i] != 0:
+            code, peer, a, b, c = (int(v) for v in table[i:i + 5])
+            cmds.append((_KIND[code], peer, a, b, c))
+            i += CMD_WORDS
+        out.append(cmds)
+    return out
+
+
+def blocks_per_group(ngroups: int, ranks_on_device: int, sms: int, cap: int = 16) -> int:
+    """Blocks per group ``B``: every rank's groups on one device resident together, two blocks per SM."""
+    return max(1, min(cap, (2 * sms) // max(1, ngroups * ranks_on_device)))
+
+
+def fused_name(dtype: str, op: str) -> str:
+    """``blink_fused_sum_float32`` (``average`` reduces as ``sum``)."""
+    return kernel_name("reduce", dtype, op).replace("blink_reduce_", "blink_fused_")
+
+
+_KERNEL = r"""
+__device__ __forceinline__ unsigned int blink_mask(int e, long long bits) {
+    unsigned int m = 0u;
+    for (int d = -4; d <= 4; ++d)
+        if (bits & (1ll << (d + 4))) m |= 1u << ((((e + d) % 3) + 3) % 3);
+    return m;
+}
+__device__ __forceinline__ void blink_copy_elems(char* dst, const char* src, long long n, int t, int nt) {
+    const blink_t* s = (const blink_t*)src;
+    blink_t* d = (blink_t*)dst;
+    const long long m = n / (long long)sizeof(blink_t);
+    for (long long i = t; i < m; i += nt) d[i] = __ldcg(s + i);
+}
+/* n bytes (a multiple of the element size): 16-byte vectors, 4 in flight per thread, where source and
+   destination agree modulo 16; the unaligned head and tail element by element. */
+__device__ __forceinline__ void blink_copy_bytes(char* dst, const char* src, long long n, int t, int nt) {
+    if ((((unsigned long long)dst ^ (unsigned long long)src) & 15ull) != 0ull || n < 64) {
+        blink_copy_elems(dst, src, n, t, nt);
+        return;
+    }
+    long long head = (long long)((16ull - ((unsigned long long)dst & 15ull)) & 15ull);
+    if (head > n) head = n;
+    const long long m = (n - head) >> 4, tail = n - head - (m << 4);
+    if (head) blink_copy_elems(dst, src, head, t, nt);
+    const uint4* s = (const uint4*)(src + head);
+    uint4* d = (uint4*)(dst + head);
+    long long i = t;
+    for (; i + 3 * nt < m; i += 4 * nt) {
+        uint4 a = __ldcg(s + i), b = __ldcg(s + i + nt), c = __ldcg(s + i + 2 * nt), e = __ldcg(s + i + 3 * nt);
+        d[i] = a; d[i + nt] = b; d[i + 2 * nt] = c; d[i + 3 * nt] = e;
+    }
+    for (; i < m; i += nt) d[i] = __ldcg(s + i);
+    if (tail) blink_copy_elems(dst + head + (m << 4), src + head + (m << 4), tail, t, nt);
+}
+extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
+        const long long* __restrict__ T, blink_u64 args, blink_u64 sync, int e, int B, int rank, int average_n) {
+    const int g = blockIdx.x / B, j = blockIdx.x % B, t = threadIdx.x, nt = blockDim.x;
+    const long long ngroups = T[0], nranks = T[1];
+    const long long* flags = T + 2;
+    const long long* data = T + 2 + nranks;
+    const long long* c = T + T[2 + 2 * nranks + g];
+    unsigned int* bar = (unsigned int*)sync + g;
+    unsigned int* ev = (unsigned int*)sync + ngroups;
+    char* own = (char*)data[rank];
+    const unsigned int value = 1u << (e % 3);
+    unsigned int nb = 0u;
+    for (;; c += CMD_WORDS) {
+        const long long k = c[0];
+        if (k == 0) break;
+        if (k == 1) {  /* wait */
+            if (t == 0) {
+                const volatile unsigned int* f = (const volatile unsigned int*)(flags[c[1]] + 4 * c[2]);
+                const unsigned int m = blink_mask(e, c[3]);
+                while ((*f & m) == 0u) __nanosleep(32);
+                __threadfence_system();
+            }
+            __syncthreads();
+        } else if (k == 2 || k == 8) {  /* write, record: after every block of the group is done */
+            __threadfence_system();
+            __syncthreads();
+            if (B > 1) {
+                nb += 1u;
+                if (t == 0) {
+                    atomicAdd(bar, 1u);
+                    while (*(volatile unsigned int*)bar < nb * (unsigned int)B) __nanosleep(32);
+                    __threadfence_system();
+                }
+                __syncthreads();
+            }
+            if (j == 0 && t == 0) {
+                if (k == 2) *(volatile unsigned int*)(flags[rank] + 4 * c[2]) = value;
+                else *(volatile unsigned int*)(ev + c[2]) = 1u;
+                __threadfence_system();
+            }
+        } else if (k == 9) {  /* join */
+            if (t == 0) {
+                while (*(volatile unsigned int*)(ev + c[2]) == 0u) __nanosleep(32);
+                __threadfence_system();
+            }
+            __syncthreads();
+        } else if (k == 3) {  /* reset own program flags */
+            unsigned int* f = (unsigned int*)flags[rank];
+            for (long long w = 1 + (long long)j * nt + t; w < c[2]; w += (long long)B * nt) f[w] = 0u;
+            __syncthreads();
+        } else {  /* data, striped over the group's blocks by buffer offset */
+            const long long off = c[2], n = c[3];
+            char* user = (char*)(*(const volatile blink_u64*)args) + c[4];
+            const char* peer = k <= 5 ? (const char*)data[c[1]] + off : 0;
+            char* mine = own + off;
+            long long s = off / STRIPE;
+            s += ((j - (int)(s % B)) % B + B) % B;
+            for (; s * STRIPE < off + n; s += B) {
+                const long long a0 = s * STRIPE > off ? s * STRIPE - off : 0;
+                const long long a1 = (s + 1) * STRIPE - off < n ? (s + 1) * STRIPE - off : n;
+                if (a1 <= a0) continue;
+                if (k == 4) blink_copy_bytes(mine + a0, peer + a0, a1 - a0, t, nt);
+                else if (k == 6) blink_copy_bytes(mine + a0, user + a0, a1 - a0, t, nt);
+                else if (k == 5) {
+                    blink_t* d = (blink_t*)(mine + a0);
+                    const blink_t* y = (const blink_t*)(peer + a0);
+                    const long long m = (a1 - a0) / (long long)sizeof(blink_t);
+                    for (long long i = t; i < m; i += nt) d[i] = BLINK_OP(__ldcg(d + i), __ldcg(y + i));
+                } else if (average_n > 1) {
+                    blink_t* u = (blink_t*)(user + a0);
+                    const blink_t* x = (const blink_t*)(mine + a0);
+                    const long long m = (a1 - a0) / (long long)sizeof(blink_t);
+                    for (long long i = t; i < m; i += nt) u[i] = blink_finish_average(__ldcg(x + i), average_n);
+                } else blink_copy_bytes(user + a0, mine + a0, a1 - a0, t, nt);
+            }
+            __syncthreads();
+        }
+    }
+}
+"""
+
+
+def fused_source(dtype: str) -> str:
+    """One CUDA module for ``dtype``: the program interpreter kernel per op (sum, min, max, product)."""
+    from .kernels import KERNEL_OPS
+
+    src = [element_source(dtype),
+           f"#define THREADS {THREADS}\n#define STRIPE {STRIPE}ll\n#define CMD_WORDS {CMD_WORDS}\n"]
+    helpers, kernel = _KERNEL[:_KERNEL.index('extern "C"')], _KERNEL[_KERNEL.index('extern "C"'):]
+    src.append(helpers)
+    for op in KERNEL_OPS:
+        src.append(kernel.replace("KERNEL_NAME", fused_name(dtype, op)).replace("BLINK_OP", f"blink_op_{op}"))
+    return "\n".join(src)
+
+
+class FusedProgram:
+    """One rank's encoded program in device memory, plus its barrier/event words (freed by :meth:`free`)."""
+
+    def __init__(self, cuda: Any, lw: Lowered, flags: Sequence[int], data: Sequence[int], flag_words: int,
+                 itemsize: int, blocks: int, stream: Any) -> None:
+        self.cuda = cuda
+        self.lw = lw
+        table = encode(lw, flags, data, flag_words, itemsize)
+        self.ngroups = lw.nstreams
+        self.blocks = blocks
+        self.sync_bytes = 4 * (self.ngroups + max(1, lw.nevents))
+        nbytes = 8 * len(table)
+        self.ptr = cuda.malloc(nbytes + self.sync_bytes)
+        self.sync = self.ptr + nbytes
+        # On a private non-blocking stream: a copy on the legacy default stream would wait for this
+        # context's running programs, which (virtual ranks in one process) may wait for this rank.
+        cuda.copy_async(self.ptr, table.ctypes.data, nbytes, stream.ptr, kind="h2d")
+        stream.synchronize()
+
+    def capture(self, residue: int, args_host: int, args_device: int, dtype: str, op: str, module: Any,
+                origin: Any) -> int:
+        """Graph for epochs ``= residue (mod 3)``: argument slot, barrier words, kernel; returns the exec."""
+        from .lowering import RESIDUES
+
+        if not 0 <= residue < RESIDUES:
+            raise BlinkInternalError(f"fused capture: residue {residue}")
+        c = self.cuda
+        fn = module.get_function(fused_name(dtype, op))
+        average_n = self.lw.nranks if op == "average" else 0
+        sp = origin.ptr
+        c.begin_capture(sp)
+        try:
+            c.copy_async(args_device, args_host, 8, sp, kind="h2d")
+            c.memset_async(self.sync, 0, self.sync_bytes, sp)
+            with origin:
+                fn((self.ngroups * self.blocks,), (THREADS,),
+                   (np.uint64(self.ptr), np.uint64(args_device), np.uint64(self.sync), np.int32(residue + 3),
+                    np.int32(self.blocks), np.int32(self.lw.rank), np.int32(average_n)))
+        except BaseException:
+            try:
+                c.destroy_graph(c.end_capture(sp))
+            except Exception:  # noqa: BLE001, S110 - the first error is the one to report
+                pass
+            raise
+        graph = c.end_capture(sp)
+        try:
+            exe = c.instantiate(graph)
+        finally:
+            c.destroy_graph(graph)
+        c.upload(exe, sp)
+        return exe
+
+    def free(self) -> None:
+        if self.ptr:
+            self.cuda.free(self.ptr)
+            self.ptr = 0
