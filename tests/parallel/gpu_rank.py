@@ -186,6 +186,25 @@ def scenario(name: str, rank: int, n: int, srv: GpuServer, args: list[str]) -> d
                         "total_us": 1e6 * float(np.median(total))})
         out["hosttime"] = res
         return out
+    if name == "mismatch":
+        # Rank 1 names its third collective differently; both names were seen before, so no host
+        # exchange runs: a fused program must find it on the device and every rank raise MismatchError.
+        count = 4096
+        x = device(host_values(rank, count, "float32", "sum"))
+        t0 = time.monotonic()
+        try:
+            srv.allreduce(x, count, "float32", "sum", name="a")
+            srv.allreduce(x, count, "float32", "sum", name="b")
+            srv.allreduce(x, count, "float32", "sum", name="b" if rank == 1 else "a")
+            srv.synchronize()
+            srv.allreduce(x, count, "float32", "sum", name="a")
+            srv.synchronize()
+            out["raised"] = None
+        except Exception as exc:  # noqa: BLE001 - reported
+            out["raised"] = type(exc).__name__
+            out["message"] = str(exc)[:300]
+        out["seconds"] = time.monotonic() - t0
+        return out
     if name == "kill":
         # Rank 1 dies in the middle; the others must fail fast, not hang.
         victim = 1

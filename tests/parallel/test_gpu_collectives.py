@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.parallel, pytest.mark.skipif(not OK, 
 
 def run_ranks(n: int, scenario: str, *args: str, timeout: float = 240.0, env: dict | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="blink-gpu-test-") as d:
-        e = dict(os.environ, BLINK_TIMEOUT_SECONDS="60", **(env or {}))
+        e = dict(os.environ, BLINK_TIMEOUT_SECONDS="60")
+        e.update(env or {})
         procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "gpu_rank.py"), d, str(r), str(n), scenario,
                                    *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
                  for r in range(n)]
@@ -89,3 +90,13 @@ def test_a_killed_rank_fails_the_others_fast_and_leaves_no_shm() -> None:
     time.sleep(0.5)
     after = {f for f in os.listdir("/dev/shm") if f.startswith("blink-")}
     assert after <= before, after - before
+
+
+@pytest.mark.timeout(200)
+def test_a_mismatch_found_on_the_device_names_the_ranks() -> None:
+    # Fused programs check metadata in the kernel's prologue (no host exchange after a name's first call).
+    outs = run_ranks(3, "mismatch", timeout=150, env={"BLINK_GPU_FLAGS": "fused", "BLINK_TIMEOUT_SECONDS": "30"})
+    for out in outs:
+        assert out.get("raised") == "MismatchError", out
+        assert "name" in out["message"] and "rank 1" in out["message"], out
+        assert out["seconds"] < 20, out

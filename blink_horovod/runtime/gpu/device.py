@@ -45,15 +45,17 @@ def device_pointer(arr: Any) -> int:
     ``__cuda_array_interface__``."""
     if isinstance(arr, (int, np.integer)) and not isinstance(arr, bool):
         return int(arr)
-    cai = getattr(arr, "__cuda_array_interface__", None)
-    if cai is not None:
-        return int(cai["data"][0])
+    # Cheapest first (this runs on every collective): torch's data_ptr(), CuPy's data.ptr; the
+    # interface dict (built anew on each access) last.
     ptr = getattr(arr, "data_ptr", None)
     if callable(ptr):
         return int(ptr())
     data = getattr(arr, "data", None)
     if data is not None and hasattr(data, "ptr"):
         return int(data.ptr)
+    cai = getattr(arr, "__cuda_array_interface__", None)
+    if cai is not None:
+        return int(cai["data"][0])
     raise ConfigError(f"tensor: expected a CUDA array (CuPy, torch, __cuda_array_interface__), got {type(arr).__name__}")
 
 

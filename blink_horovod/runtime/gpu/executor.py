@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +45,7 @@ from .. import metadata
 from ..dtypes import check_op, numpy_dtype
 from ..executor import Piece
 from ..transport import STATE_CLOSED, W_STATE, Transport, WaitContext
+from .fused import ARGS_SLOT, META_WORDS
 from .lowering import DONE_WORD, RESIDUES, Lowered, epoch_value, lower, plain_runs
 
 __all__ = ["GPU_MAX_PIECE_BYTES", "GpuExecutor"]
@@ -134,8 +136,18 @@ class GpuExecutor:
         self._streams: list[Any] = []
         self._events: list[int] = []
         c = self.cuda
-        self._args_host, self._args_view = c.host_alloc(64)
-        self._args_dev = c.malloc(64)
+        # Argument slots, one per epoch residue (ARGS_SLOT bytes): user pointer, metadata fingerprint,
+        # epoch; pinned and mapped, copied to the device by each graph.
+        self._args_host, self._args_view = c.host_alloc(RESIDUES * ARGS_SLOT)
+        self._args_dev = c.malloc(RESIDUES * ARGS_SLOT)
+        # Fused programs report a metadata mismatch here (the first failing epoch), read without a sync.
+        self._device_thread = 0
+        self._fused_mode = getattr(c, "flag_ops", "") == "fused"
+        self._err_host, self._err_view = c.host_alloc(64)
+        self._err_view[:] = 0
+        self._seen: set[bytes] = set()
+        self._sent: OrderedDict[int, bytes] = OrderedDict()
+        self._fp = 0
         self._probe_host, self._probe_view = c.host_alloc(8 * max(8, self.nranks))
         self._slot_event = [c.event() for _ in range(RESIDUES)]
         self._slot_used = [False] * RESIDUES
@@ -160,10 +172,17 @@ class GpuExecutor:
             raise BlinkInternalError(f"{label}: the GPU executor is closed")
         ctx = WaitContext.start(label, self.timeout, self.stall)
         try:
-            self.cuda.set_device()
+            me = threading.get_ident()
+            if me != self._device_thread:  # CuPy launches on the calling thread's current device
+                self.cuda.set_device()
+                self._device_thread = me
             t0 = time.perf_counter()
             self.seq += 1
-            all_extras = self._agree(checked, extras, ctx)
+            if self._fused_mode:
+                self._check_device_meta(ctx)
+                all_extras = self._agree_fused(checked, extras, ctx)
+            else:
+                all_extras = self._agree(checked, extras, ctx)
             t1 = time.perf_counter()
             pieces = list(build(all_extras))
             if not pieces:
@@ -175,7 +194,7 @@ class GpuExecutor:
             known = self.captures
             lows = [self._lower(p) for p in pieces]
             need_bytes = max(p.program.count for p in pieces) * itemsize
-            need_words = max(lw.nwords for lw in lows)
+            need_words = max(lw.nwords for lw in lows) + (META_WORDS if self._fused_mode else 0)
             grew = self._reserve(need_bytes, need_words, ctx)
             sp = self.cuda.stream_pointer(stream)
             base = device_pointer(arr)
@@ -216,6 +235,48 @@ class GpuExecutor:
             return [dict(memo[3]) for _ in payloads]
         return metadata.check_agreement(payloads, self.seq)
 
+    def _agree_fused(self, checked: Mapping[str, Any], extras: Mapping[str, Any], ctx: WaitContext) -> list[dict[str, Any]]:
+        """Metadata of a fused program: checked on the device (the kernel's prologue, :mod:`.fused`), so
+        the host posts a fingerprint and waits for nobody.
+
+        The host exchange (:meth:`_agree`) still runs where the device cannot stand in: the first
+        collective of each metadata (every rank sees the same history, so every rank takes it: plans
+        ride along there) and whenever ``extras`` carry a value.  A mismatch on that first call is
+        found by the exchange; later ones by the kernel, before any byte moves, and reported by
+        :meth:`_check_device_meta` at this rank's next call or wait, naming the ranks and fields.
+        """
+        memo = self._memo
+        if memo is not None and memo[0] == checked and memo[1] == extras:
+            payload = memo[2]
+        else:
+            payload = metadata.encode(checked, extras)
+            memo = self._memo = (dict(checked), dict(extras), payload, None)
+            import hashlib
+
+            self._fp = int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little") or 1
+        if payload not in self._seen or any(v is not None for v in extras.values()):
+            out = self._agree(checked, extras, ctx)
+            if len(self._seen) > 65536:
+                self._seen.clear()
+            self._seen.add(payload)
+            return out
+        return [dict(extras) for _ in range(self.nranks)]
+
+    def _check_device_meta(self, ctx: WaitContext) -> None:
+        """Raise the mismatch a fused program found on the device (every rank finds the same epoch):
+        the ranks exchange that epoch's metadata on the host, and :mod:`..metadata` names who differs."""
+        bad = int(self._err_view[0])
+        if not bad:
+            return
+        payload = self._sent.get(bad, b"")
+        seq = (1 << 40) + bad
+        payloads = self.t.exchange_meta(seq, payload, ctx)
+        metadata.check_agreement(payloads, seq)
+        raise BlinkInternalError(
+            f"{ctx.label}: the device found different metadata among the ranks at epoch {bad}, but the ranks' "
+            "payloads agree on the host"
+        )
+
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait (with peer checks and a deadline) until this rank's launched work is done."""
         if self._last_event is None:
@@ -223,6 +284,8 @@ class GpuExecutor:
         ctx = WaitContext.start("synchronize", self.timeout if timeout is None else timeout, self.stall)
         try:
             self._wait_event(self._last_event, ctx, "launched collectives")
+            if self._fused_mode:
+                self._check_device_meta(ctx)
         except BaseException as exc:
             self.fail(exc)
             raise
@@ -294,8 +357,8 @@ class GpuExecutor:
         while len(self._events) < lw.nevents:
             self._events.append(self.cuda.event())
         assert self._seg is not None
-        mem = Memory(self._flags, self._data, self._seg.words, self._args_host + 8 * residue,
-                     self._args_dev + 8 * residue)
+        mem = Memory(self._flags, self._data, self._seg.words, self._args_host + ARGS_SLOT * residue,
+                     self._args_dev + ARGS_SLOT * residue)
         self.cuda.set_device()
         exe = capture(self.cuda, lw, mem, residue, dtype, itemsize, op, mod, self._streams, self._events)
         self.captures += 1
@@ -311,7 +374,8 @@ class GpuExecutor:
         hit = self._fused.get(fkey)
         if hit is None or hit[0] is not lw:
             blocks = blocks_per_group(lw.nstreams, self._ranks_on_device, int(getattr(self.cuda, "sms", 132)))
-            fp = FusedProgram(self.cuda, lw, self._flags, self._data, self._seg.words, itemsize, blocks, self._aux)
+            fp = FusedProgram(self.cuda, lw, self._flags, self._data, self._seg.words - META_WORDS, itemsize, blocks,
+                              self._aux)
             if hit is not None:
                 hit[1].free()
             hit = self._fused[fkey] = (lw, fp)
@@ -319,8 +383,9 @@ class GpuExecutor:
         if not self._streams:
             self._streams.append(self.cuda.stream())
         self.cuda.set_device()
-        return hit[1].capture(residue, self._args_host + 8 * residue, self._args_dev + 8 * residue, dtype, op,
-                              mod, self._streams[0])
+        return hit[1].capture(residue, self._args_host + ARGS_SLOT * residue, self._args_dev + ARGS_SLOT * residue,
+                              dtype, op, mod, self._streams[0], err=self._err_host,
+                              meta_word=self._seg.words - META_WORDS)
 
     def _cache_graph(self, key: tuple, lw: Lowered, exe: int) -> None:
         self._graphs[key] = (lw, exe)
@@ -338,11 +403,18 @@ class GpuExecutor:
             w0 = time.perf_counter()
             self._wait_event(ev, ctx, "the collective launched three pieces ago")
             self._waited += time.perf_counter() - w0
-        self._args_view[residue] = user
-        if self._last_event is not None and not self.cuda.done(self._last_event):
+        slot = (ARGS_SLOT // 8) * residue
+        self._args_view[slot] = user
+        if self._fused_mode:
+            self._args_view[slot + 1] = self._fp
+            self._args_view[slot + 2] = self.epoch
+            self._sent[self.epoch] = self._memo[2] if self._memo is not None else b""
+            if len(self._sent) > 16:
+                self._sent.popitem(last=False)
+        if self._last_event is not None:
             # Graphs of one rank must run in launch order (the barrier's three residues rely on it).
             # Redundant on the same stream, but stream pointers cannot tell: a destroyed stream's
-            # address may come back as a new stream's.
+            # address may come back as a new stream's.  (Always joined: querying first costs a call too.)
             self.cuda.join(stream, self._last_event)
         self.cuda.launch(exe, stream)
         self.cuda.record(ev, stream)
@@ -368,6 +440,8 @@ class GpuExecutor:
         try:
             c.memset(base, 0, flag_bytes)
             c.copy_to_device(base + 4 * DONE_WORD, np.array([epoch_value(self.epoch)], np.uint32))
+            if self._fused_mode:  # as if the last epoch's program had posted its metadata
+                c.copy_to_device(base + flag_bytes - 4 * META_WORDS, np.array([epoch_value(self.epoch)], np.uint32))
             c.synchronize()
             handle = c.ipc_handle(base)
             self.seq += 1
@@ -425,6 +499,8 @@ class GpuExecutor:
         delay = 2e-5
         while not c.done(ev):
             now = time.monotonic()
+            if self._fused_mode and self._err_view[0]:
+                self._check_device_meta(ctx)
             if now >= next_check:
                 self.t.check_peers(ctx)
                 for q in range(self.nranks):
@@ -482,6 +558,8 @@ class GpuExecutor:
                     idle = self._quiet_drain(5.0)
                 else:
                     self._drain(ctx)
+                    if self._fused_mode:
+                        self._check_device_meta(ctx)
                     if self._seg is not None:
                         self._await_peers_done(ctx)
             except BaseException as exc:  # noqa: BLE001
@@ -494,6 +572,7 @@ class GpuExecutor:
                     self.cuda.destroy_event(ev)
                 self.cuda.free(self._args_dev)
                 self.cuda.free_host(self._args_host)
+                self.cuda.free_host(self._err_host)
                 self.cuda.free_host(self._probe_host)
             else:
                 log.warning("rank %d: device still busy; CUDA memory is left to process exit", self.rank)

@@ -46,11 +46,13 @@ from ...errors import BlinkInternalError
 from .kernels import element_source, kernel_name
 from .lowering import COPY, JOIN, RECORD, REDUCE, RESET, STAGE_IN, STAGE_OUT, WAIT, WRITE, Lowered
 
-__all__ = ["CMD_WORDS", "STRIPE", "THREADS", "FusedProgram", "blocks_per_group", "decode", "encode", "fused_source"]
+__all__ = ["ARGS_SLOT", "CMD_WORDS", "META_WORDS", "STRIPE", "THREADS", "FusedProgram", "blocks_per_group", "decode", "encode", "fused_source"]
 
 THREADS = 256  # threads per block
 STRIPE = 16384  # bytes of the buffer per stripe (a multiple of 16 and of every itemsize)
 CMD_WORDS = 6  # int64 words per encoded command
+ARGS_SLOT = 32  # bytes of one launch's argument slot: user pointer, metadata fingerprint, epoch, spare
+META_WORDS = 8  # flag words at the top of a rank's flag array: META, spare, 3 fingerprint slots of 2 words
 _CODE = {WAIT: 1, WRITE: 2, RESET: 3, COPY: 4, REDUCE: 5, STAGE_IN: 6, STAGE_OUT: 7, RECORD: 8, JOIN: 9}
 _KIND = {v: k for k, v in _CODE.items()}
 _ACCEPT_BIAS = 4  # accept offset d is bit d + 4 (d in -4..4)
@@ -177,7 +179,8 @@ __device__ __forceinline__ void blink_copy_bytes(char* dst, const char* src, lon
     if (tail) blink_copy_elems(dst + head + (m << 4), src + head + (m << 4), tail, t, nt);
 }
 extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
-        const long long* __restrict__ T, blink_u64 args, blink_u64 sync, int e, int B, int rank, int average_n) {
+        const long long* __restrict__ T, blink_u64 args, blink_u64 sync, int e, int B, int rank, int average_n,
+        blink_u64 err, int meta_word) {
     const int g = blockIdx.x / B, j = blockIdx.x % B, t = threadIdx.x, nt = blockDim.x;
     const long long ngroups = T[0], nranks = T[1];
     const long long* flags = T + 2;
@@ -188,6 +191,41 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
     char* own = (char*)data[rank];
     const unsigned int value = 1u << (e % 3);
     unsigned int nb = 0u;
+    /* The collective's metadata, checked before any byte moves: every rank posts the fingerprint of
+       its (collective, name, dtype, shape, op, root, plan) in its slot of this epoch's residue, then
+       its META word; every block compares all ranks' fingerprints.  On a difference every rank sees
+       it, moves nothing, records the epoch for its host (which then names the ranks and fields) and
+       only posts DONE, so the next epoch's barrier still meets. */
+    if (meta_word > 0) {
+        const volatile blink_u64* a = (const volatile blink_u64*)args;
+        const blink_u64 fp = a[1], epoch = a[2];
+        const int slot = meta_word + 2 + 2 * (e % 3);
+        if (blockIdx.x == 0 && t == 0) {
+            *(volatile blink_u64*)(flags[rank] + 4 * slot) = fp;
+            __threadfence_system();
+            *(volatile unsigned int*)(flags[rank] + 4 * meta_word) = value;
+            __threadfence_system();
+        }
+        int bad = 0;
+        if (t == 0) {
+            for (long long q = 0; q < nranks; ++q) {
+                const volatile unsigned int* m = (const volatile unsigned int*)(flags[q] + 4 * meta_word);
+                while ((*m & value) == 0u) __nanosleep(32);
+                __threadfence_system();
+                if (*(const volatile blink_u64*)(flags[q] + 4 * slot) != fp) bad = 1;
+            }
+        }
+        if (__syncthreads_or(bad)) {
+            if (blockIdx.x == 0 && t == 0) {
+                volatile blink_u64* host = (volatile blink_u64*)err;
+                if (*host == 0ull) *host = epoch;
+                __threadfence_system();
+                *(volatile unsigned int*)(flags[rank]) = value;  /* DONE */
+                __threadfence_system();
+            }
+            return;
+        }
+    }
     for (;; c += CMD_WORDS) {
         const long long k = c[0];
         if (k == 0) break;
@@ -240,10 +278,38 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
                 if (k == 4) blink_copy_bytes(mine + a0, peer + a0, a1 - a0, t, nt);
                 else if (k == 6) blink_copy_bytes(mine + a0, user + a0, a1 - a0, t, nt);
                 else if (k == 5) {
-                    blink_t* d = (blink_t*)(mine + a0);
-                    const blink_t* y = (const blink_t*)(peer + a0);
-                    const long long m = (a1 - a0) / (long long)sizeof(blink_t);
-                    for (long long i = t; i < m; i += nt) d[i] = BLINK_OP(__ldcg(d + i), __ldcg(y + i));
+                    /* 16-byte vectors, two pairs in flight per thread, where own and peer agree modulo 16
+                       (same offsets in page-aligned buffers: always); head and tail element-wise. */
+                    char* d0 = mine + a0;
+                    const char* y0 = peer + a0;
+                    const long long nbytes = a1 - a0;
+                    long long head = (long long)((16ull - ((unsigned long long)d0 & 15ull)) & 15ull);
+                    if ((((unsigned long long)d0 ^ (unsigned long long)y0) & 15ull) != 0ull || head > nbytes) head = nbytes;
+                    const long long m = (nbytes - head) >> 4;
+                    const long long rest = head + (m << 4);
+                    const int per = (int)(16 / sizeof(blink_t));
+                    for (long long i = t; i < m; i += 2 * nt) {
+                        const uint4* xs = (const uint4*)(d0 + head);
+                        const uint4* ys = (const uint4*)(y0 + head);
+                        uint4 xa = __ldcg(xs + i), ya = __ldcg(ys + i), xb, yb;
+                        const bool two = i + nt < m;
+                        if (two) { xb = __ldcg(xs + i + nt); yb = __ldcg(ys + i + nt); }
+                        blink_t* px = (blink_t*)&xa;
+                        const blink_t* py = (const blink_t*)&ya;
+                        for (int q = 0; q < per; ++q) px[q] = BLINK_OP(px[q], py[q]);
+                        ((uint4*)(d0 + head))[i] = xa;
+                        if (two) {
+                            px = (blink_t*)&xb; py = (const blink_t*)&yb;
+                            for (int q = 0; q < per; ++q) px[q] = BLINK_OP(px[q], py[q]);
+                            ((uint4*)(d0 + head))[i + nt] = xb;
+                        }
+                    }
+                    blink_t* d = (blink_t*)d0;
+                    const blink_t* y = (const blink_t*)y0;
+                    const long long hm = head / (long long)sizeof(blink_t);
+                    for (long long i = t; i < hm; i += nt) d[i] = BLINK_OP(__ldcg(d + i), __ldcg(y + i));
+                    const long long r0 = rest / (long long)sizeof(blink_t), r1 = nbytes / (long long)sizeof(blink_t);
+                    for (long long i = r0 + t; i < r1; i += nt) d[i] = BLINK_OP(__ldcg(d + i), __ldcg(y + i));
                 } else if (average_n > 1) {
                     blink_t* u = (blink_t*)(user + a0);
                     const blink_t* x = (const blink_t*)(mine + a0);
@@ -291,7 +357,7 @@ class FusedProgram:
         stream.synchronize()
 
     def capture(self, residue: int, args_host: int, args_device: int, dtype: str, op: str, module: Any,
-                origin: Any) -> int:
+                origin: Any, err: int = 0, meta_word: int = 0) -> int:
         """Graph for epochs ``= residue (mod 3)``: argument slot, barrier words, kernel; returns the exec."""
         from .lowering import RESIDUES
 
@@ -303,12 +369,13 @@ class FusedProgram:
         sp = origin.ptr
         c.begin_capture(sp)
         try:
-            c.copy_async(args_device, args_host, 8, sp, kind="h2d")
+            c.copy_async(args_device, args_host, ARGS_SLOT, sp, kind="h2d")
             c.memset_async(self.sync, 0, self.sync_bytes, sp)
             with origin:
                 fn((self.ngroups * self.blocks,), (THREADS,),
                    (np.uint64(self.ptr), np.uint64(args_device), np.uint64(self.sync), np.int32(residue + 3),
-                    np.int32(self.blocks), np.int32(self.lw.rank), np.int32(average_n)))
+                    np.int32(self.blocks), np.int32(self.lw.rank), np.int32(average_n), np.uint64(err),
+                    np.int32(meta_word)))
         except BaseException:
             try:
                 c.destroy_graph(c.end_capture(sp))
