@@ -48,8 +48,12 @@ def decode(payload: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     return json.loads(head), (json.loads(tail) if tail else {})
 
 
-def _checked_part(payload: bytes) -> bytes:
+def checked_part(payload: bytes) -> bytes:
+    """The part of an encoded payload every rank must agree on (the checked fields; not the extras)."""
     return payload.split(b"\n", 1)[0]
+
+
+_checked_part = checked_part
 
 
 def _show(field: str, value: Any) -> str:

@@ -148,6 +148,7 @@ class GpuExecutor:
         self._seen: set[bytes] = set()
         self._sent: OrderedDict[int, bytes] = OrderedDict()
         self._fp = 0
+        self._head = b""
         self._probe_host, self._probe_view = c.host_alloc(8 * max(8, self.nranks))
         self._slot_event = [c.event() for _ in range(RESIDUES)]
         self._slot_used = [False] * RESIDUES
@@ -241,25 +242,27 @@ class GpuExecutor:
 
         The host exchange (:meth:`_agree`) still runs where the device cannot stand in: the first
         collective of each metadata (every rank sees the same history, so every rank takes it: plans
-        ride along there) and whenever ``extras`` carry a value.  A mismatch on that first call is
+        ride along there).  A mismatch on that first call is
         found by the exchange; later ones by the kernel, before any byte moves, and reported by
         :meth:`_check_device_meta` at this rank's next call or wait, naming the ranks and fields.
         """
         memo = self._memo
-        if memo is not None and memo[0] == checked and memo[1] == extras:
-            payload = memo[2]
-        else:
+        if memo is None or memo[0] != checked or memo[1] != extras:
             payload = metadata.encode(checked, extras)
-            memo = self._memo = (dict(checked), dict(extras), payload, None)
+            self._memo = (dict(checked), dict(extras), payload, None)
             import hashlib
 
-            self._fp = int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little") or 1
-        if payload not in self._seen or any(v is not None for v in extras.values()):
+            # Over the checked fields only: extras differ between ranks by design (rank 0's plan).
+            self._head = metadata.checked_part(payload)
+            self._fp = int.from_bytes(hashlib.blake2b(self._head, digest_size=8).digest(), "little") or 1
+        if self._head not in self._seen:
+            # Decided by the checked fields alone, so every rank decides alike.
             out = self._agree(checked, extras, ctx)
             if len(self._seen) > 65536:
                 self._seen.clear()
-            self._seen.add(payload)
+            self._seen.add(self._head)
             return out
+        # Extras reach the peers only on the first call of a metadata (the harness's plans ride there).
         return [dict(extras) for _ in range(self.nranks)]
 
     def _check_device_meta(self, ctx: WaitContext) -> None:
@@ -269,7 +272,7 @@ class GpuExecutor:
         if not bad:
             return
         payload = self._sent.get(bad, b"")
-        seq = (1 << 40) + bad
+        seq = (1 << 31) + bad  # above every sequence number used before, the same on every rank (a 32-bit word)
         payloads = self.t.exchange_meta(seq, payload, ctx)
         metadata.check_agreement(payloads, seq)
         raise BlinkInternalError(
