@@ -107,7 +107,7 @@ step threads-hgx 25 $PY "${PERF[@]}" --threads 8 -b 4 -e 1G -f 16 -n 5 --dtype f
     --json "$R/threads-hgx.json" --time-limit 20
 # The whole program as one kernel (BLINK_GPU_FLAGS=fused; meant for MPS=1).
 FUSED=(--flag-ops fused --topology dgx1v)
-step fused-smoke 60 "${MPI[@]}" -np 2 $PY "${PERF[@]}" "${FUSED[@]}" -b 4 -e 4M -f 8 -n 10 --dtype float32 \
+step fused-smoke 60 "${MPI[@]}" -np 2 $PY "${PERF[@]}" "${FUSED[@]}" -b 4 -e 4M -f 8 -n 50 --dtype float32 --profile 4,4194304 \
     --json "$R/fused-smoke.json" --time-limit 40
 step fused-n2 110 "${MPI[@]}" -np 2 $PY "${PERF[@]}" "${FUSED[@]}" -b 4 -e 1G -f 4 -n 10 --dtype "${DTYPES:-all}" \
     --json "$R/fused-n2.json" --time-limit 95

@@ -282,13 +282,16 @@ class GpuExecutor:
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait (with peer checks and a deadline) until this rank's launched work is done."""
-        if self._last_event is None:
+        if self._last_event is None and not (self._fused_mode and self._last_stream is not None):
             return
         ctx = WaitContext.start("synchronize", self.timeout if timeout is None else timeout, self.stall)
         try:
-            self._wait_event(self._last_event, ctx, "launched collectives")
             if self._fused_mode:
+                done, epoch = self._err_view, self.epoch
+                self._wait_until(lambda: int(done[1]) >= epoch, ctx, "launched collectives")
                 self._check_device_meta(ctx)
+            else:
+                self._wait_event(self._last_event, ctx, "launched collectives")
         except BaseException as exc:
             self.fail(exc)
             raise
@@ -399,21 +402,42 @@ class GpuExecutor:
                 _, (_, old) = self._graphs.popitem(last=False)
                 self.cuda.destroy_exec(old)
 
+    def _launch_fused(self, exe: int, residue: int, user: int, stream: int, ctx: WaitContext) -> None:
+        """Host work of one fused piece: one CUDA call.  The kernel posts the end of its epoch in mapped
+        host memory (``_err_view[1]``), so no event is recorded or queried: the argument slot of
+        ``epoch - 3`` is free once that word reached it, and a launch on another stream than the last
+        waits for the last epoch (a rank's programs must run one after the other)."""
+        done = self._err_view
+        need = self.epoch - RESIDUES
+        if self._last_stream is not None and stream != self._last_stream:
+            need = self.epoch - 1
+        if int(done[1]) < need:
+            w0 = time.perf_counter()
+            self._wait_until(lambda: int(done[1]) >= need, ctx, f"collective {need} on this rank's GPU")
+            self._waited += time.perf_counter() - w0
+        slot = (ARGS_SLOT // 8) * residue
+        view = self._args_view
+        view[slot] = user
+        view[slot + 1] = self._fp
+        view[slot + 2] = self.epoch
+        sent = self._sent
+        sent[self.epoch] = self._memo[2] if self._memo is not None else b""
+        if len(sent) > 16:
+            sent.popitem(last=False)
+        self.cuda.launch(exe, stream)
+        self._last_stream = stream
+
     def _launch(self, exe: int, residue: int, user: int, stream: int, ctx: WaitContext) -> None:
         """Host work of one piece: O(1) calls, whatever the program."""
+        if self._fused_mode:
+            self._launch_fused(exe, residue, user, stream, ctx)
+            return
         ev = self._slot_event[residue]
         if self._slot_used[residue] and not self.cuda.done(ev):
             w0 = time.perf_counter()
             self._wait_event(ev, ctx, "the collective launched three pieces ago")
             self._waited += time.perf_counter() - w0
-        slot = (ARGS_SLOT // 8) * residue
-        self._args_view[slot] = user
-        if self._fused_mode:
-            self._args_view[slot + 1] = self._fp
-            self._args_view[slot + 2] = self.epoch
-            self._sent[self.epoch] = self._memo[2] if self._memo is not None else b""
-            if len(self._sent) > 16:
-                self._sent.popitem(last=False)
+        self._args_view[(ARGS_SLOT // 8) * residue] = user
         if self._last_event is not None:
             # Graphs of one rank must run in launch order (the barrier's three residues rely on it).
             # Redundant on the same stream, but stream pointers cannot tell: a destroyed stream's
@@ -488,6 +512,10 @@ class GpuExecutor:
 
     # -- waiting ----------------------------------------------------------------------------
     def _drain(self, ctx: WaitContext) -> None:
+        if self._fused_mode and self._last_stream is not None:
+            # The kernels themselves must have exited (memory is freed after this): an event, once.
+            self.cuda.record(self._slot_event[0], self._last_stream)
+            self._last_event = self._slot_event[0]
         if self._last_event is not None:
             self._wait_event(self._last_event, ctx, "earlier collectives")
 
@@ -496,11 +524,17 @@ class GpuExecutor:
         c = self.cuda
         if c.done(ev):
             return
+        self._wait_until(lambda: c.done(ev), ctx, what)
+
+    def _wait_until(self, ready: Callable[[], bool], ctx: WaitContext, what: str) -> None:
+        """Poll ``ready()``; between polls check the peers, the device's mismatch word and the deadline."""
+        if ready():
+            return
         started = time.monotonic()
         next_check = started + 0.05
         next_warn = started + ctx.stall
         delay = 2e-5
-        while not c.done(ev):
+        while not ready():
             now = time.monotonic()
             if self._fused_mode and self._err_view[0]:
                 self._check_device_meta(ctx)
@@ -585,6 +619,12 @@ class GpuExecutor:
 
     def _quiet_drain(self, seconds: float) -> bool:
         """Whether this rank's launched work finishes within ``seconds`` (no peer checks: after a failure)."""
+        if self._fused_mode and self._last_stream is not None:
+            try:
+                self.cuda.record(self._slot_event[0], self._last_stream)
+                self._last_event = self._slot_event[0]
+            except Exception:  # noqa: BLE001 - a faulted context: nothing more to wait for
+                return False
         if self._last_event is None:
             return True
         end = time.monotonic() + seconds

@@ -222,6 +222,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
                 __threadfence_system();
                 *(volatile unsigned int*)(flags[rank]) = value;  /* DONE */
                 __threadfence_system();
+                host[1] = epoch;  /* this epoch's work is over (the host reuses its argument slot) */
             }
             return;
         }
@@ -319,6 +320,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
             }
             __syncthreads();
         }
+    }
+    /* Group 0 ends with DONE, after every lane joined it and its blocks' barrier: the epoch is over.
+       The host polls this word instead of recording an event per launch. */
+    if (meta_word > 0 && blockIdx.x == 0 && t == 0) {
+        __threadfence_system();
+        ((volatile blink_u64*)err)[1] = ((const volatile blink_u64*)args)[2];
     }
 }
 """
