@@ -113,7 +113,7 @@ def main() -> int:
                          "ranks sharing a GPU are not time-sliced against each other as processes are")
     ap.add_argument("--flag-ops", default=None, choices=["auto", "kernel", "memop", "fused"],
                     help="how ranks signal on the device (BLINK_GPU_FLAGS; default auto: memop for processes "
-                         "sharing a GPU, kernel otherwise)")
+                         "sharing a GPU without MPS, fused otherwise)")
     ap.add_argument("--profile", default=None,
                     help="comma list of sizes at which rank 0's timed calls run under cProfile (top functions by "
                          "own time printed to stderr)")

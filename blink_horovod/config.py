@@ -47,10 +47,12 @@ BLINK_LOG_LEVEL = "BLINK_LOG_LEVEL"
 # Fault injection for the reliability tests only (see runtime.faults):
 # "ACTION:after=K[:rank=R]" with ACTION in kill, raise, stall, corrupt.
 BLINK_FAULT = "BLINK_FAULT"
-# How GPU ranks signal each other: "kernel" (one-thread spin/write kernels: cheap graph launches),
-# "memop" (cuStreamWaitValue32/WriteValue32: ~3.6 us of host time per node at graph launch, but a
-# blocked wait lets the driver switch to another process's context at once), or "auto" (memop when
-# several processes share one GPU, kernel otherwise).  See docs/gpu-runtime.md.
+# How GPU ranks run a program and signal each other: "fused" (the whole program as one generated
+# kernel, metadata checked on the device: one launch per collective), "kernel" (a graph of copies,
+# reduction kernels and one-thread spin/write kernels), "memop" (the same graph with
+# cuStreamWaitValue32/WriteValue32: ~3.6 us of host time per node at launch, but a blocked wait lets
+# the driver switch to another process's context at once), or "auto" (memop when several processes
+# share one GPU without MPS, fused otherwise).  See docs/gpu-runtime.md.
 BLINK_GPU_FLAGS = "BLINK_GPU_FLAGS"
 GPU_FLAG_MODES = ("auto", "kernel", "memop", "fused")
 

@@ -10,6 +10,7 @@ SCENARIO and prints one JSON line; an error prints ``{"error": class,
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -172,18 +173,31 @@ def scenario(name: str, rank: int, n: int, srv: GpuServer, args: list[str]) -> d
             for _ in range(5):
                 srv.allreduce(x, count, "float32", "sum", name=f"h{chunks}")
             srv.synchronize()
-            meta, launch, total = [], [], []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                srv.allreduce(x, count, "float32", "sum", name=f"h{chunks}")
-                total.append(time.perf_counter() - t0)
-                meta.append(srv.ex.last_meta_seconds)
-                launch.append(srv.ex.last_launch_seconds)
-            srv.synchronize()
+            row: dict = {"chunks_per_tree": chunks}
+            for gc_on in (True, False):
+                # Host time: wall time of the call less the time it sat blocked on the device (argument
+                # slot of three collectives ago), and the calling thread's CPU time.
+                meta, launch, total, cpu, api, waited = [], [], [], [], [], []
+                if not gc_on:
+                    gc.disable()
+                for _ in range(reps):
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    srv.allreduce(x, count, "float32", "sum", name=f"h{chunks}")
+                    total.append(time.perf_counter() - t0 - srv.ex.last_wait_seconds)
+                    cpu.append(time.thread_time() - c0)
+                    meta.append(srv.ex.last_meta_seconds)
+                    launch.append(srv.ex.last_launch_seconds)
+                    api.append(srv.ex.last_api_seconds)
+                    waited.append(srv.ex.last_wait_seconds)
+                gc.enable()
+                srv.synchronize()
+                sfx = "" if gc_on else "_nogc"
+                row |= {f"launch_us{sfx}": 1e6 * float(np.median(launch)), f"meta_us{sfx}": 1e6 * float(np.median(meta)),
+                        f"total_us{sfx}": 1e6 * float(np.median(total)), f"cpu_us{sfx}": 1e6 * float(np.median(cpu)),
+                        f"api_us{sfx}": 1e6 * float(np.median(api)), f"waited_us{sfx}": 1e6 * float(np.median(waited))}
             prog = next(iter(p for k, p in srv.programs.items() if k[1] == count and k[2] == srv.chunk_bytes // 4))
-            res.append({"chunks_per_tree": chunks, "ops": prog.num_ops(),
-                        "launch_us": 1e6 * float(np.median(launch)), "meta_us": 1e6 * float(np.median(meta)),
-                        "total_us": 1e6 * float(np.median(total))})
+            row["ops"] = prog.num_ops()
+            res.append(row)
         out["hosttime"] = res
         return out
     if name == "mismatch":

@@ -61,7 +61,7 @@ def run_job(args, ids: list[str], env: dict, outdir: Path) -> tuple[dict[str, st
     cmd = [args.horovodrun, "-np", str(args.np), "-H", args.hosts, args.controller,
            "--output-filename", str(outdir),
            args.python, "-m", "pytest", "-v", *_isolated(Path(args.suite).resolve()), f"--timeout={args.test_timeout}",
-           *ids]
+           f"--timeout-method={args.timeout_method}", *ids]
     timeout = args.job_timeout if len(ids) > 1 or not args.per_test else args.test_timeout + 120
     # a session of its own, so that a timeout kills the ranks too, not only horovodrun
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -111,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--horovodrun", default=os.path.join(os.path.dirname(sys.executable), "horovodrun"))
     ap.add_argument("--test-timeout", type=int, default=300)
     ap.add_argument("--job-timeout", type=int, default=3600)
+    # pytest-timeout's SIGALRM cannot interrupt a rank blocked in stock Horovod's C++ wait
+    # (hvd.synchronize holds no Python frame to raise in), so a test left waiting for a
+    # collective that its peers never submit hangs the whole job until --job-timeout.
+    # "thread" ends the rank instead; the job then dies and the test is retried / counted as CRASH.
+    ap.add_argument("--timeout-method", default="signal", choices=["signal", "thread"],
+                    help="pytest-timeout's method inside the ranks (thread: a hung rank exits)")
     ap.add_argument("-k", default="", help="only tests whose id contains this")
     ap.add_argument("--per-test", action="store_true",
                     help="one horovodrun job per test (a failing test cannot leave the next one hanging; "

@@ -261,8 +261,9 @@ def test_flag_mode_follows_sharing_and_mps(tmp_path) -> None:
     from blink_horovod.errors import ConfigError
     from blink_horovod.runtime.gpu.executor import flag_mode, mps_active
 
-    assert flag_mode("auto", 4, 4) == "kernel"
+    assert flag_mode("auto", 4, 4) == "fused"
     assert flag_mode("kernel", 4, 1) == "kernel" and flag_mode("memop", 2, 2) == "memop"
+    assert flag_mode("fused", 4, 1) == "fused"
     assert not mps_active({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})
     (tmp_path / "control").write_text("")
     assert mps_active({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})

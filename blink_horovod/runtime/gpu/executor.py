@@ -119,6 +119,7 @@ class GpuExecutor:
         self.last_meta_seconds = 0.0
         self.last_launch_seconds = 0.0
         self.last_wait_seconds = 0.0
+        self.last_api_seconds = 0.0  # the launch call itself (fused programs)
         self._waited = 0.0
         self._memo: tuple | None = None
         self._kinds: dict[tuple[str, str | None], tuple[str, int]] = {}
@@ -424,7 +425,9 @@ class GpuExecutor:
         sent[self.epoch] = self._memo[2] if self._memo is not None else b""
         if len(sent) > 16:
             sent.popitem(last=False)
+        a0 = time.perf_counter()
         self.cuda.launch(exe, stream)
+        self.last_api_seconds = time.perf_counter() - a0
         self._last_stream = stream
 
     def _launch(self, exe: int, residue: int, user: int, stream: int, ctx: WaitContext) -> None:
@@ -669,16 +672,19 @@ def flag_mode(requested: str | None, nranks: int, ndevices: int) -> str:
     while a blocked stream wait lets the other context run at once (measured on
     the H200 machine: ~10 us round trips, against ~4.5 ms with spinning kernels).
     Otherwise, and under MPS (one server context: no time-slicing between the
-    ranks; measured there: ~80 us per small allreduce at 2 ranks), ``kernel``:
-    graph launches stay cheap in host time (memory-operation nodes cost ~3.6 us
-    each at launch: 480 us for 128, against 20 us as kernels).
+    ranks), ``fused``: the whole program as one kernel (:mod:`.fused`), one
+    CUDA call per collective and the metadata checked on the device (measured
+    under MPS on the H200, 2 ranks: ~60 us per small allreduce, 2-5 us of
+    metadata work on the host, against ~80 us and 20-50 us with ``kernel``,
+    graphs of one-thread flag kernels, which reach a higher busbw at 64 MB:
+    157 GB/s against 81).
     """
     if requested is None:
         from ...config import load_config
 
         requested = load_config().gpu_flags
     if requested == "auto":
-        return "memop" if nranks > ndevices and not mps_active() else "kernel"
+        return "memop" if nranks > ndevices and not mps_active() else "fused"
     if requested not in ("kernel", "memop", "fused"):
         raise ConfigError(f"BLINK_GPU_FLAGS: expected auto, kernel, memop or fused, got {requested!r}")
     return requested
