@@ -121,5 +121,7 @@ step fused-bcast-n8 60 "${MPI[@]}" -np 8 $PY "${PERF[@]}" "${FUSED[@]}" --collec
     -n 5 --dtype float32 --json "$R/fused-bcast-n8.json" --time-limit 45
 step fused-tests 300 env BLINK_GPU_FLAGS=fused $PY -m pytest -v -p no:cacheprovider -rs -s \
     tests/parallel/test_gpu_collectives.py ${TESTS_K:+-k "$TESTS_K"}
+step threads-fused 45 $PY "${PERF[@]}" --threads 2 --flag-ops fused --topology dgx1v -b 4 -e 64M -f 8 -n 10 \
+    --dtype float32 --json "$R/threads-fused.json" --time-limit 30
 echo "done at $(($(date +%s) - START))s" >>"$R/summary.txt"
 cat "$R/summary.txt"

@@ -127,6 +127,7 @@ class _Args:
     factor_text: str
     minbytes: int
     maxbytes: int
+    device: str = "cpu"
 
 
 def _parse(args: argparse.Namespace) -> _Args:
@@ -150,18 +151,26 @@ def _parse(args: argparse.Namespace) -> _Args:
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device: expected cpu or cuda, got {args.device!r}")
     if device == "cuda":
-        raise ConfigError(
-            "--device: cuda is not available here: this build has the CPU runtime only (no GPU executor, "
-            "and this machine has no CUDA device); use --device cpu"
-        )
+        from ..runtime.gpu.device import available
+
+        ok, why = available()
+        if not ok:
+            raise ConfigError(f"--device: cuda is not usable here ({why}); use --device cpu")
+        if impl != "blink":
+            raise ConfigError(f"--impl: {impl} with --device cuda: blink perf times stock Horovod on CPU tensors "
+                              "only; use --impl blink (and nccl-tests for NCCL)")
     check = _int(args.check, "-c", 0)
     if check not in (0, 1):
         raise ConfigError(f"-c: expected 0 or 1, got {args.check!r}")
     ops = list(OPS) if str(args.op).strip().lower() == "all" else [check_op(args.op)]
     if str(args.dtype).strip().lower() == "all":
-        dtypes = list(DTYPES)
+        # CuPy has no bfloat16 array type (benchmarks/gpu_perf.py covers it with raw buffers).
+        dtypes = [d for d in DTYPES if device == "cpu" or d != "bfloat16"]
     else:
         dtypes = [canonical_dtype(d, "--dtype") for d in str(args.dtype).split(",")]
+        if device == "cuda" and "bfloat16" in dtypes:
+            raise ConfigError("--dtype: bfloat16 with --device cuda: CuPy has no bfloat16 arrays; "
+                              "use benchmarks/gpu_perf.py --dtype bfloat16")
     if collective == "broadcast":
         ops = ["sum"]  # no reduction; the column says "none"
     return _Args(
@@ -178,6 +187,7 @@ def _parse(args: argparse.Namespace) -> _Args:
         factor_text=f"{stepbytes}(bytes)" if stepbytes else f"{factor}(factor)",
         minbytes=minbytes,
         maxbytes=maxbytes,
+        device=device,
     )
 
 
@@ -478,18 +488,28 @@ def _measure(job: _Job, a: _Args, dtype: str, op: str, size: int) -> dict[str, _
     want = expected(dtype, job.size, count, op, a.collective, a.root) if a.check else None
     data = make_input(dtype, job.size, job.rank, count, op, a.collective, a.root) if a.check else None
 
+    cuda = a.device == "cuda"
+    if cuda:
+        import cupy
+
+    def done() -> None:  # CUDA collectives return once launched
+        if cuda:
+            job.comm.synchronize()
+
     def checked_run(impl: str) -> int:
-        y = data.copy()
+        y = cupy.asarray(data) if cuda else data.copy()
         runs[impl][0](y)
-        return count_wrong(y, want, dtype)
+        done()
+        return count_wrong(cupy.asnumpy(y) if cuda else y, want, dtype)
 
     # Checked before timing (the first, cold programs) and after it (the tuned ones).
     wrong = {impl: checked_run(impl) if a.check else 0 for impl in runs}
-    x = np.zeros(count, dt)
+    x = cupy.zeros(count, dt) if cuda else np.zeros(count, dt)
     for impl, (step, _) in runs.items():
         for _ in range(a.warmup):
             step(x)
-    if "blink" in runs and job.comm is not None:
+        done()
+    if "blink" in runs and job.comm is not None and not cuda:  # no online tuning on GPUs yet
         # MIAD settles the chunk size during the first iterations; finish that before timing.
         step = runs["blink"][0]
         if job.servers == 1 or a.collective == "broadcast":
@@ -511,6 +531,7 @@ def _measure(job: _Job, a: _Args, dtype: str, op: str, size: int) -> dict[str, _
             start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 step(x)
+            done()
             elapsed[impl] += time.perf_counter() - start
             cpu[impl] += time.process_time() - cpu_start
     if a.check:
@@ -554,7 +575,7 @@ def _header(job: _Job, a: _Args, pids: list, hosts: list) -> list[str]:
     ]
     for r in range(job.size):
         s, lr = job.server_of(r)
-        lines.append(f"#  Rank {r:2d} Group  0 Pid {pids[r]:6d} on {hosts[r]:>10} device {lr:2d} [cpu] "
+        lines.append(f"#  Rank {r:2d} Group  0 Pid {pids[r]:6d} on {hosts[r]:>10} device {lr:2d} [{a.device}] "
                      f"server {s} local rank {lr}")
     if job.comm is not None:
         topo = job.comm.topology
@@ -619,7 +640,10 @@ def run(args: argparse.Namespace) -> int:
         if "blink" in a.impls:
             from ..runtime.communicator import Communicator
 
-            job.comm = Communicator(job.local_rank, job.local_size, None, job.rendezvous, cfg, device="cpu")
+            if a.device == "cuda" and job.servers > 1:
+                raise ConfigError("--device cuda: one server only for now (the cross-server stage is not wired "
+                                  "for CUDA tensors)")
+            job.comm = Communicator(job.local_rank, job.local_size, None, job.rendezvous, cfg, device=a.device)
             if job.servers == 1:
                 # Bookkeeping (times, #wrong) through the shared metadata slots: microseconds,
                 # where Horovod's allgather_object costs milliseconds per call.

@@ -121,8 +121,11 @@ class Communicator:
     config : Config, optional
         The ``BLINK_*`` settings; default :func:`load_config`.
     device : str
-        ``"cpu"`` (numpy arrays over shared memory).  ``"cuda"`` is the GPU
-        executor, not part of this build.
+        ``"cpu"`` (numpy arrays over shared memory) or ``"cuda"`` (CUDA arrays:
+        CuPy, torch, anything with ``__cuda_array_interface__``; the GPU
+        executor, :mod:`.gpu.executor`, one server, needs ``BLINK_TOPOLOGY``).
+        On CUDA a collective returns once launched on CuPy's current stream, as
+        NCCL's do; :meth:`synchronize` waits for it.
     transport : Transport, optional
         An already built transport (tests: the loopback one).
     planner : callable, optional
@@ -142,8 +145,14 @@ class Communicator:
         planner: Planner | None = None,
     ) -> None:
         self.config = config or load_config()
-        if device != "cpu":
-            raise ConfigError(f"device: {device!r} is not available in this runtime (the GPU executor is not built); use 'cpu'")
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+        if device == "cuda":
+            from .gpu.device import available
+
+            ok, why = available()
+            if not ok:
+                raise ConfigError(f"device: 'cuda' is not usable here ({why}); use 'cpu'")
         if local_size < 1 or not 0 <= local_rank < local_size:
             raise ConfigError(f"local_rank: {local_rank} is not in 0..{local_size - 1}")
         self.local_rank, self.local_size = local_rank, local_size
@@ -156,7 +165,7 @@ class Communicator:
         self._topology_hash = self.topology.content_hash()[:16]
         # Small messages take one round (Executor.eager_collective) where every
         # rank has a direct link to every other: one-hop trees.
-        self.eager_bytes = EAGER_BYTES if fully_connected(self.topology) else 0
+        self.eager_bytes = EAGER_BYTES if fully_connected(self.topology) and device == "cpu" else 0
         self._plans: dict[tuple[str, int | None], tuple[Plan, str]] = {}
         self._programs: "OrderedDict[tuple, Any]" = OrderedDict()
         self._chunks = ChunkChooser(self.config.chunk_bytes)
@@ -165,11 +174,15 @@ class Communicator:
         if transport is None and local_size > 1:
             transport = self._make_transport()
         self._transport = transport
-        self._executor = (
-            Executor(transport, self.config.timeout_seconds, self.config.stall_check_seconds, self.config.fault)
-            if transport is not None
-            else None
-        )
+        self._executor: Any = None
+        if transport is not None and device == "cuda":
+            from .gpu.executor import GpuExecutor
+
+            self._executor = GpuExecutor(transport, self.config.timeout_seconds, self.config.stall_check_seconds,
+                                         fault=self.config.fault)
+        elif transport is not None:
+            self._executor = Executor(transport, self.config.timeout_seconds, self.config.stall_check_seconds,
+                                      self.config.fault)
 
     def _make_transport(self) -> Transport:
         from .shm import ShmTransport
@@ -233,6 +246,9 @@ class Communicator:
 
     # -- argument checks -----------------------------------------------------------
     def _flat(self, arr: np.ndarray, what: str) -> tuple[np.ndarray, str]:
+        if self.device == "cuda":
+            view = _DeviceFlat.of(arr, what)
+            return view, view.dtype_name  # type: ignore[return-value]
         if not isinstance(arr, np.ndarray):
             raise ConfigError(f"{what}: expected a numpy array, got {type(arr).__name__}")
         if not arr.flags.c_contiguous or not arr.flags.writeable:
@@ -366,6 +382,15 @@ class Communicator:
             out.append(runs)
         return out
 
+    def synchronize(self) -> None:
+        """Wait until this rank's launched collectives are done (CUDA; a no-op on CPU, where they are)."""
+        if self.device == "cuda" and self._executor is not None:
+            self._executor.synchronize()
+
+    def _no_cuda(self, what: str) -> None:
+        if self.device == "cuda":
+            raise ConfigError(f"{what}: the hierarchical stages are not wired for CUDA tensors yet (one server only)")
+
     def reduce_to_roots(self, arr: np.ndarray, op: str = "sum", name: str | None = None) -> tuple[int, int]:
         """Stage 1: local rank i's ``arr[start:end]`` becomes the server's op over its segment.
 
@@ -374,6 +399,7 @@ class Communicator:
         server's rank count (the hierarchical caller sums and divides once).
         """
         op = check_op(op)
+        self._no_cuda("reduce_to_roots")
         flat, dtype = self._flat(arr, "reduce_to_roots")
         me, n = self.local_rank, self.local_size
         start, end = segment_bounds(flat.size, n, me)
@@ -401,6 +427,7 @@ class Communicator:
 
     def broadcast_from_roots(self, arr: np.ndarray, name: str | None = None) -> np.ndarray:
         """Stage 3: local rank i's segment of ``arr`` goes to every rank; returns ``arr``."""
+        self._no_cuda("broadcast_from_roots")
         flat, dtype = self._flat(arr, "broadcast_from_roots")
         me = self.local_rank
         if self._executor is None or flat.size == 0:
@@ -458,3 +485,38 @@ class Communicator:
     @property
     def transport(self) -> Transport | None:
         return self._transport
+
+
+class _DeviceFlat:
+    """A C-contiguous CUDA array seen as flat elements: size, nbytes, dtype and its device address
+    (``data_ptr()``, which the GPU executor reads)."""
+
+    __slots__ = ("ptr", "size", "nbytes", "dtype", "dtype_name")
+
+    def __init__(self, ptr: int, size: int, dtype: np.dtype, name: str) -> None:
+        self.ptr, self.size, self.dtype, self.dtype_name = ptr, size, dtype, name
+        self.nbytes = size * dtype.itemsize
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    @classmethod
+    def of(cls, arr: Any, what: str) -> "_DeviceFlat":
+        cai = getattr(arr, "__cuda_array_interface__", None)
+        if cai is None:
+            raise ConfigError(f"{what}: expected a CUDA array (CuPy, torch, __cuda_array_interface__) on device "
+                              f"'cuda', got {type(arr).__name__}")
+        shape = tuple(cai["shape"])
+        dt = np.dtype(cai["typestr"])
+        size = int(np.prod(shape)) if shape else 1
+        strides = cai.get("strides")
+        if strides is not None:
+            want, acc = [], dt.itemsize
+            for d in reversed(shape):
+                want.append(acc)
+                acc *= d
+            if size > 1 and tuple(st for st, d in zip(strides, shape) if d > 1) != tuple(
+                    st for st, d in zip(reversed(want), shape) if d > 1):
+                raise ConfigError(f"{what}: the CUDA array must be C-contiguous (shape {list(shape)}, strides "
+                                  f"{list(strides)})")
+        return cls(int(cai["data"][0]), size, dt, dtype_name(dt))

@@ -100,3 +100,31 @@ def test_a_mismatch_found_on_the_device_names_the_ranks() -> None:
         assert out.get("raised") == "MismatchError", out
         assert "name" in out["message"] and "rank 1" in out["message"], out
         assert out["seconds"] < 20, out
+
+
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("collective", ["allreduce", "broadcast"])
+@pytest.mark.parametrize("n,topology", [(2, "dgx1v:0,1"), (4, "dgx1v:0,1,2,3")])
+def test_blink_perf_device_cuda_is_exact(n: int, topology: str, collective: str) -> None:
+    """``blink perf --device cuda`` under mpirun (mpi4py ranks, no Horovod): Communicator(device="cuda")
+    end to end, plans from the carried cache (benchmarks/gpu_plan_cache: no planner on the GPU machine)."""
+    import shutil
+
+    if shutil.which("mpirun") is None:
+        pytest.skip("no mpirun")
+    env = dict(os.environ, BLINK_TOPOLOGY=topology, BLINK_PLAN_CACHE=os.path.join(REPO, "benchmarks", "gpu_plan_cache"),
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", BLINK_TIMEOUT_SECONDS="60")
+    forward = [a for v in ("BLINK_TOPOLOGY", "BLINK_PLAN_CACHE", "PYTHONPATH", "BLINK_TIMEOUT_SECONDS", "BLINK_GPU_FLAGS",
+                           "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY") if v in env for a in ("-x", v)]
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", *forward, "-np", str(n), sys.executable, "-m",
+           "blink_horovod", "perf", "--device", "cuda", "--collective", collective, "-b", "4", "-e", "16M", "-f", "4",
+           "-c", "1", "-n", "5", "-w", "1", "-d", "float,int32,half"] + (["-o", "all"] if collective == "allreduce" else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=360)
+    print(p.stdout[-6000:])
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    assert "# Out of bounds values : 0 OK" in p.stdout
+    assert "[cuda]" in p.stdout

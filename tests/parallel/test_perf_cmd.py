@@ -106,7 +106,7 @@ def test_corruption_is_counted_and_exit_is_non_zero(tmp_path) -> None:
         (["--collective", "gather"], "--collective: expected allreduce or broadcast, got 'gather'"),
         (["-d", "quad"], "--dtype: unknown dtype 'quad'"),
         (["-o", "mean"], "op: unknown reduction 'mean'"),
-        (["--device", "cuda"], "--device: cuda is not available here"),
+        (["--device", "cuda"], "--device: cuda is not usable here"),
         (["-b", "1M", "-e", "1K"], "-e: maxbytes 1024 is below minbytes 1048576"),
         (["-n", "0"], "-n: expected an integer >= 1, got '0'"),
         (["--impl", "nccl"], "--impl: expected blink, horovod or both, got 'nccl'"),

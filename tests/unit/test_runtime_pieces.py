@@ -232,7 +232,7 @@ def test_cuda_device_is_refused_clearly() -> None:
     from blink_horovod.config import load_config
     from blink_horovod.runtime.communicator import Communicator
 
-    with pytest.raises(ConfigError, match="device: 'cuda' is not available"):
+    with pytest.raises(ConfigError, match="device: 'cuda' is not usable here"):
         Communicator(0, 1, None, None, load_config({}), device="cuda")
 
 

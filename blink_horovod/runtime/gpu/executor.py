@@ -243,7 +243,10 @@ class GpuExecutor:
 
         The host exchange (:meth:`_agree`) still runs where the device cannot stand in: the first
         collective of each metadata (every rank sees the same history, so every rank takes it: plans
-        ride along there).  A mismatch on that first call is
+        ride along there) and calls whose extras carry values (``allgather_object``, ``barrier``).
+        Extras that hold a value on some ranks only, for metadata seen before, would break this rule;
+        none of Blink's callers sends such (the GPU executor reports no rates).  A mismatch on that
+        first call is
         found by the exchange; later ones by the kernel, before any byte moves, and reported by
         :meth:`_check_device_meta` at this rank's next call or wait, naming the ranks and fields.
         """
@@ -256,14 +259,14 @@ class GpuExecutor:
             # Over the checked fields only: extras differ between ranks by design (rank 0's plan).
             self._head = metadata.checked_part(payload)
             self._fp = int.from_bytes(hashlib.blake2b(self._head, digest_size=8).digest(), "little") or 1
-        if self._head not in self._seen:
-            # Decided by the checked fields alone, so every rank decides alike.
+        if self._head not in self._seen or any(v is not None for v in extras.values()):
+            # Every rank decides alike: by the checked fields, and by extras that carry a value on every
+            # rank (allgather_object's objects) or only where the metadata is new (rank 0's plan).
             out = self._agree(checked, extras, ctx)
             if len(self._seen) > 65536:
                 self._seen.clear()
             self._seen.add(self._head)
             return out
-        # Extras reach the peers only on the first call of a metadata (the harness's plans ride there).
         return [dict(extras) for _ in range(self.nranks)]
 
     def _check_device_meta(self, ctx: WaitContext) -> None:
