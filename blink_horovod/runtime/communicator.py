@@ -192,6 +192,8 @@ class Communicator:
         job = self.rendezvous.job_id
         pids = self.rendezvous.allgather(os.getpid())
         ctx = WaitContext.start("communicator setup", self.config.timeout_seconds, self.config.stall_check_seconds)
+        if self.device == "cuda":  # control only (metadata, aborts, liveness): data moves in CUDA buffers
+            return ShmTransport(self.local_rank, self.local_size, job, ctx, pids=pids, data_bytes=4096, nflags=16)
         return ShmTransport(self.local_rank, self.local_size, job, ctx, pids=pids)
 
     # -- plans and programs ------------------------------------------------------
