@@ -24,10 +24,11 @@ memory once per (program, buffer generation), and one kernel interprets it:
 * every global load goes through L2 (``__ldcg``): L1 is not coherent with the
   peers' writes.
 
-Host side: the graph is ``memcpy`` (the argument slot: the user tensor's
-address) -> ``memset`` (this table's barrier and event words) -> the kernel,
-one variant per epoch residue (:mod:`.lowering`), so a launch is O(1) host
-work whatever the number of chunks.  All groups of all ranks spin on each
+Host side: the graph is the kernel alone, one variant per epoch residue
+(:mod:`.lowering`); it reads its argument slot (user tensor address, metadata
+fingerprint, epoch) from mapped host memory, its group barriers are
+sense-reversing and its event words carry the epoch, so nothing is reset
+between launches, and a launch is one call whatever the number of chunks.  All groups of all ranks spin on each
 other, so they must be resident together: ``B`` is chosen so that the blocks
 of every rank sharing a device fit twice per SM (:func:`blocks_per_group`).
 On one GPU shared by processes *without* MPS the driver time-slices contexts
@@ -186,19 +187,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
     const long long* flags = T + 2;
     const long long* data = T + 2 + nranks;
     const long long* c = T + T[2 + 2 * nranks + g];
-    unsigned int* bar = (unsigned int*)sync + g;
-    unsigned int* ev = (unsigned int*)sync + ngroups;
+    unsigned int* bar = (unsigned int*)sync + 2 * g;  /* arrivals, generation */
+    unsigned int* ev = (unsigned int*)sync + 2 * ngroups;
     char* own = (char*)data[rank];
     const unsigned int value = 1u << (e % 3);
-    unsigned int nb = 0u;
+    /* The launch's argument slot lives in mapped host memory (no copy node in the graph): read once. */
+    __shared__ blink_u64 s_args[3];
+    if (t == 0) {
+        const volatile blink_u64* a = (const volatile blink_u64*)args;
+        s_args[0] = a[0]; s_args[1] = a[1]; s_args[2] = a[2];
+    }
+    __syncthreads();
+    const unsigned int tag = (unsigned int)s_args[2] | 1u;  /* event words: this epoch's, never 0 */
     /* The collective's metadata, checked before any byte moves: every rank posts the fingerprint of
        its (collective, name, dtype, shape, op, root, plan) in its slot of this epoch's residue, then
        its META word; every block compares all ranks' fingerprints.  On a difference every rank sees
        it, moves nothing, records the epoch for its host (which then names the ranks and fields) and
        only posts DONE, so the next epoch's barrier still meets. */
     if (meta_word > 0) {
-        const volatile blink_u64* a = (const volatile blink_u64*)args;
-        const blink_u64 fp = a[1], epoch = a[2];
+        const blink_u64 fp = s_args[1], epoch = s_args[2];
         const int slot = meta_word + 2 + 2 * (e % 3);
         if (blockIdx.x == 0 && t == 0) {
             *(volatile blink_u64*)(flags[rank] + 4 * slot) = fp;
@@ -242,22 +249,29 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
             __threadfence_system();
             __syncthreads();
             if (B > 1) {
-                nb += 1u;
+                /* Sense-reversing barrier of the group's blocks: nothing to reset between launches. */
                 if (t == 0) {
-                    atomicAdd(bar, 1u);
-                    while (*(volatile unsigned int*)bar < nb * (unsigned int)B) __nanosleep(32);
+                    const unsigned int gen = *(volatile unsigned int*)(bar + 1);
+                    __threadfence();
+                    if (atomicAdd(bar, 1u) == (unsigned int)B - 1u) {
+                        *(volatile unsigned int*)bar = 0u;
+                        __threadfence();
+                        atomicAdd(bar + 1, 1u);
+                    } else {
+                        while (*(volatile unsigned int*)(bar + 1) == gen) __nanosleep(32);
+                    }
                     __threadfence_system();
                 }
                 __syncthreads();
             }
             if (j == 0 && t == 0) {
                 if (k == 2) *(volatile unsigned int*)(flags[rank] + 4 * c[2]) = value;
-                else *(volatile unsigned int*)(ev + c[2]) = 1u;
+                else *(volatile unsigned int*)(ev + c[2]) = tag;
                 __threadfence_system();
             }
         } else if (k == 9) {  /* join */
             if (t == 0) {
-                while (*(volatile unsigned int*)(ev + c[2]) == 0u) __nanosleep(32);
+                while (*(volatile unsigned int*)(ev + c[2]) != tag) __nanosleep(32);
                 __threadfence_system();
             }
             __syncthreads();
@@ -267,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
             __syncthreads();
         } else {  /* data, striped over the group's blocks by buffer offset */
             const long long off = c[2], n = c[3];
-            char* user = (char*)(*(const volatile blink_u64*)args) + c[4];
+            char* user = (char*)s_args[0] + c[4];
             const char* peer = k <= 5 ? (const char*)data[c[1]] + off : 0;
             char* mine = own + off;
             long long s = off / STRIPE;
@@ -325,7 +339,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
        The host polls this word instead of recording an event per launch. */
     if (meta_word > 0 && blockIdx.x == 0 && t == 0) {
         __threadfence_system();
-        ((volatile blink_u64*)err)[1] = ((const volatile blink_u64*)args)[2];
+        ((volatile blink_u64*)err)[1] = s_args[2];
     }
 }
 """
@@ -354,18 +368,20 @@ class FusedProgram:
         table = encode(lw, flags, data, flag_words, itemsize)
         self.ngroups = lw.nstreams
         self.blocks = blocks
-        self.sync_bytes = 4 * (self.ngroups + max(1, lw.nevents))
+        self.sync_bytes = 4 * (2 * self.ngroups + max(1, lw.nevents))
         nbytes = 8 * len(table)
         self.ptr = cuda.malloc(nbytes + self.sync_bytes)
         self.sync = self.ptr + nbytes
         # On a private non-blocking stream: a copy on the legacy default stream would wait for this
         # context's running programs, which (virtual ranks in one process) may wait for this rank.
         cuda.copy_async(self.ptr, table.ctypes.data, nbytes, stream.ptr, kind="h2d")
+        cuda.memset_async(self.sync, 0, self.sync_bytes, stream.ptr)  # once: barriers and events need no reset
         stream.synchronize()
 
     def capture(self, residue: int, args_host: int, args_device: int, dtype: str, op: str, module: Any,
                 origin: Any, err: int = 0, meta_word: int = 0) -> int:
-        """Graph for epochs ``= residue (mod 3)``: argument slot, barrier words, kernel; returns the exec."""
+        """Graph for epochs ``= residue (mod 3)``: the kernel alone (it reads the argument slot in mapped host
+        memory, ``args_host``; ``args_device`` is unused); returns the exec."""
         from .lowering import RESIDUES
 
         if not 0 <= residue < RESIDUES:
@@ -376,11 +392,9 @@ class FusedProgram:
         sp = origin.ptr
         c.begin_capture(sp)
         try:
-            c.copy_async(args_device, args_host, ARGS_SLOT, sp, kind="h2d")
-            c.memset_async(self.sync, 0, self.sync_bytes, sp)
             with origin:
                 fn((self.ngroups * self.blocks,), (THREADS,),
-                   (np.uint64(self.ptr), np.uint64(args_device), np.uint64(self.sync), np.int32(residue + 3),
+                   (np.uint64(self.ptr), np.uint64(args_host), np.uint64(self.sync), np.int32(residue + 3),
                     np.int32(self.blocks), np.int32(self.lw.rank), np.int32(average_n), np.uint64(err),
                     np.int32(meta_word)))
         except BaseException:
