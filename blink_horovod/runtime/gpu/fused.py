@@ -198,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
         s_args[0] = a[0]; s_args[1] = a[1]; s_args[2] = a[2];
     }
     __syncthreads();
-    const unsigned int tag = (unsigned int)s_args[2] | 1u;  /* event words: this epoch's, never 0 */
+    const unsigned int tag = (unsigned int)s_args[2];  /* event words hold their last epoch (epochs start at 1) */
     /* The collective's metadata, checked before any byte moves: every rank posts the fingerprint of
        its (collective, name, dtype, shape, op, root, plan) in its slot of this epoch's residue, then
        its META word; every block compares all ranks' fingerprints.  On a difference every rank sees
