@@ -205,39 +205,43 @@ def scenario(name: str, rank: int, n: int, srv: GpuServer, args: list[str]) -> d
         # exchange runs: a fused program must find it on the device and every rank raise MismatchError.
         count = 4096
         x = device(host_values(rank, count, "float32", "sum"))
-        t0 = time.monotonic()
-        try:
+
+        def body() -> None:
             srv.allreduce(x, count, "float32", "sum", name="a")
             srv.allreduce(x, count, "float32", "sum", name="b")
             srv.allreduce(x, count, "float32", "sum", name="b" if rank == 1 else "a")
             srv.synchronize()
             srv.allreduce(x, count, "float32", "sum", name="a")
             srv.synchronize()
-            out["raised"] = None
-        except Exception as exc:  # noqa: BLE001 - reported
-            out["raised"] = type(exc).__name__
-            out["message"] = str(exc)[:300]
-        out["seconds"] = time.monotonic() - t0
-        return out
+
+        return out | expect_failure(body)
     if name == "kill":
         # Rank 1 dies in the middle; the others must fail fast, not hang.
         victim = 1
         count = 1 << 20
         x = device(host_values(rank, count, "float32", "sum"))
-        t0 = time.monotonic()
-        try:
+
+        def body() -> None:
             for i in range(50):
                 if rank == victim and i == 10:
                     os._exit(9)
                 srv.allreduce(x, count, "float32", "sum", name="k")
             srv.synchronize()
-            out["raised"] = None
-        except Exception as exc:  # noqa: BLE001 - reported
-            out["raised"] = type(exc).__name__
-            out["message"] = str(exc)[:300]
-        out["seconds"] = time.monotonic() - t0
-        return out
+
+        return out | expect_failure(body)
     raise SystemExit(f"unknown scenario {name}")
+
+
+def expect_failure(body) -> dict:
+    """Run ``body``; what it raised (class name and message, or None) and how long it took."""
+    t0 = time.monotonic()
+    out: dict = {"raised": None}
+    try:
+        body()
+    except Exception as exc:  # noqa: BLE001 - reported
+        out = {"raised": type(exc).__name__, "message": str(exc)[:300]}
+    out["seconds"] = time.monotonic() - t0
+    return out
 
 
 def main() -> None:

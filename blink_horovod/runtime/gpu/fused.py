@@ -382,6 +382,7 @@ class FusedProgram:
                 origin: Any, err: int = 0, meta_word: int = 0) -> int:
         """Graph for epochs ``= residue (mod 3)``: the kernel alone (it reads the argument slot in mapped host
         memory, ``args_host``; ``args_device`` is unused); returns the exec."""
+        from .graph import abandon_capture, instantiate_capture
         from .lowering import RESIDUES
 
         if not 0 <= residue < RESIDUES:
@@ -398,18 +399,9 @@ class FusedProgram:
                     np.int32(self.blocks), np.int32(self.lw.rank), np.int32(average_n), np.uint64(err),
                     np.int32(meta_word)))
         except BaseException:
-            try:
-                c.destroy_graph(c.end_capture(sp))
-            except Exception:  # noqa: BLE001, S110 - the first error is the one to report
-                pass
+            abandon_capture(c, sp)
             raise
-        graph = c.end_capture(sp)
-        try:
-            exe = c.instantiate(graph)
-        finally:
-            c.destroy_graph(graph)
-        c.upload(exe, sp)
-        return exe
+        return instantiate_capture(c, sp)
 
     def free(self) -> None:
         if self.ptr:

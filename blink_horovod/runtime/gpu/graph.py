@@ -41,7 +41,7 @@ from .lowering import (
     epoch_value,
 )
 
-__all__ = ["Memory", "capture"]
+__all__ = ["Memory", "abandon_capture", "capture", "instantiate_capture"]
 
 
 @dataclass(frozen=True)
@@ -114,16 +114,25 @@ def capture(cuda: Cuda, lw: Lowered, mem: Memory, residue: int, dtype: str, item
             else:  # pragma: no cover - lowering only makes the kinds above
                 raise BlinkInternalError(f"capture: unknown command {c}")
     except BaseException:
-        # End the capture also on error: a stream left capturing poisons all later work on it.
-        try:
-            cuda.destroy_graph(cuda.end_capture(origin))
-        except Exception:  # noqa: BLE001, S110 - the first error is the one to report
-            pass
+        abandon_capture(cuda, origin)
         raise
-    graph = cuda.end_capture(origin)
+    return instantiate_capture(cuda, origin)
+
+
+def abandon_capture(cuda: Cuda, stream: int) -> None:
+    """End a capture that failed: a stream left capturing poisons all later work on it."""
+    try:
+        cuda.destroy_graph(cuda.end_capture(stream))
+    except Exception:  # noqa: BLE001, S110 - the first error is the one to report
+        pass
+
+
+def instantiate_capture(cuda: Cuda, stream: int) -> int:
+    """End the capture on ``stream``; the instantiated, uploaded graph exec (the graph itself freed)."""
+    graph = cuda.end_capture(stream)
     try:
         exe = cuda.instantiate(graph)
     finally:
         cuda.destroy_graph(graph)
-    cuda.upload(exe, origin)
+    cuda.upload(exe, stream)
     return exe
