@@ -493,7 +493,7 @@ class _DeviceFlat:
     """A C-contiguous CUDA array seen as flat elements: size, nbytes, dtype and its device address
     (``data_ptr()``, which the GPU executor reads)."""
 
-    __slots__ = ("ptr", "size", "nbytes", "dtype", "dtype_name")
+    __slots__ = ("dtype", "dtype_name", "nbytes", "ptr", "size")
 
     def __init__(self, ptr: int, size: int, dtype: np.dtype, name: str) -> None:
         self.ptr, self.size, self.dtype, self.dtype_name = ptr, size, dtype, name

@@ -27,6 +27,10 @@ def job_env(extra: dict | None = None, blink: bool = True, tmp: Path | None = No
     env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     env["TF_USE_LEGACY_KERAS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    # Horovod's Gloo rendezvous waits 30 s by default for every rank's key; ranks importing torch and
+    # TensorFlow on a loaded 2-core machine can take longer to arrive (seen: "Wait timeout after 30
+    # seconds for key(s): 1" at init, about one run in four).
+    env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = "120"
     if tmp is not None:
         env["BLINK_PLAN_CACHE"] = str(tmp / "plans")
     if blink:

@@ -123,7 +123,7 @@ def test_blink_perf_device_cuda_is_exact(n: int, topology: str, collective: str)
     cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", *forward, "-np", str(n), sys.executable, "-m",
            "blink_horovod", "perf", "--device", "cuda", "--collective", collective, "-b", "4", "-e", "16M", "-f", "4",
            "-c", "1", "-n", "5", "-w", "1", "-d", "float,int32,half"] + (["-o", "all"] if collective == "allreduce" else [])
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=360)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=360, check=False)
     print(p.stdout[-6000:])
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     assert "# Out of bounds values : 0 OK" in p.stdout

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.parallel, pytest.mark.timeout(900)]
 
 
 def check_ranks(p, n: int) -> list[dict]:
-    oks = re.findall(r"RANK (\d+) OK (\{.*\})", p.stdout)
+    oks = re.findall(r"RANK (\d+) OK (\{.*?\})", p.stdout)
     assert p.returncode == 0 and len(oks) == n, tail(p)
     return [json.loads(s) for _, s in oks]
 

@@ -13,15 +13,29 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_gpu_lowering import random_plan
 
 from blink_horovod.errors import BlinkInternalError
 from blink_horovod.runtime.dtypes import DTYPES, numpy_dtype
-from blink_horovod.runtime.gpu.fused import CMD_WORDS, blocks_per_group, decode, encode, fused_name, fused_source
+from blink_horovod.runtime.gpu.fused import (
+    CMD_WORDS,
+    blocks_per_group,
+    decode,
+    encode,
+    fused_name,
+    fused_source,
+)
 from blink_horovod.runtime.gpu.kernels import KERNEL_OPS
-from blink_horovod.runtime.gpu.lowering import COPY, REDUCE, STAGE_IN, STAGE_OUT, WAIT, lower, plain_runs
+from blink_horovod.runtime.gpu.lowering import (
+    COPY,
+    REDUCE,
+    STAGE_IN,
+    STAGE_OUT,
+    WAIT,
+    lower,
+    plain_runs,
+)
 from blink_horovod.schedule import check_program, compile_program
-
-from test_gpu_lowering import random_plan  # noqa: E402 - the lowering tests' plan generator
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -377,7 +377,7 @@ class GpuExecutor:
 
     def _fused_graph(self, lw: Lowered, dtype: str, itemsize: int, op: str, residue: int) -> int:
         """The program as one kernel (:mod:`.fused`): encoded once per (lowering, itemsize, buffers)."""
-        from .fused import FusedProgram, blocks_per_group, fused_source
+        from .fused import FusedProgram, blocks_per_group
 
         assert self._seg is not None
         fkey = (id(lw), itemsize, self._gen)

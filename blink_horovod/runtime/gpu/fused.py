@@ -45,7 +45,18 @@ import numpy as np
 
 from ...errors import BlinkInternalError
 from .kernels import element_source, kernel_name
-from .lowering import COPY, JOIN, RECORD, REDUCE, RESET, STAGE_IN, STAGE_OUT, WAIT, WRITE, Lowered
+from .lowering import (
+    COPY,
+    JOIN,
+    RECORD,
+    REDUCE,
+    RESET,
+    STAGE_IN,
+    STAGE_OUT,
+    WAIT,
+    WRITE,
+    Lowered,
+)
 
 __all__ = ["ARGS_SLOT", "CMD_WORDS", "META_WORDS", "STRIPE", "THREADS", "FusedProgram", "blocks_per_group", "decode", "encode", "fused_source"]
 
