@@ -114,6 +114,12 @@ def main() -> int:
     ap.add_argument("--flag-ops", default=None, choices=["auto", "kernel", "memop", "fused"],
                     help="how ranks signal on the device (BLINK_GPU_FLAGS; default auto: memop for processes "
                          "sharing a GPU without MPS, fused otherwise)")
+    ap.add_argument("--fused-launch", default=None, choices=["graph", "kernel"],
+                    help="fused programs: launched as a one-node CUDA graph or by cuLaunchKernel "
+                         "(default: BLINK_GPU_LAUNCH, else graph)")
+    ap.add_argument("--chunk-counts", default=None,
+                    help="comma list of chunk counts (e.g. 1,4,16,64,256): time the one size -e at each, the chunk "
+                         "size set to size/count (host time must not grow with chunks); rows say chunks")
     ap.add_argument("--profile", default=None,
                     help="comma list of sizes at which rank 0's timed calls run under cProfile (top functions by "
                          "own time printed to stderr)")
@@ -138,7 +144,7 @@ def main() -> int:
     if args.flag_ops:
         os.environ["BLINK_GPU_FLAGS"] = args.flag_ops
     srv = GpuServer(rdv.local_rank, rdv.local_size, rdv.job_id, pids, timeout=120.0,
-                    planner=lambda c, r: plans[(c, r)])
+                    planner=lambda c, r: plans[(c, r)], fused_launch=args.fused_launch)
     ops = {"max": MPI.MAX, "sum": MPI.SUM}
     comm = _Comm(lambda obj: mpi.bcast(obj, root=0), mpi.Barrier, lambda x, op: mpi.allreduce(x, op=ops[op]))
     try:
@@ -203,7 +209,7 @@ def run_threads(args) -> int:
         try:
             srv = servers[r] = GpuServer(r, n, "threads", [os.getpid()] * n, timeout=120.0, planner=lambda c, q: plans[(c, q)],
                             transport=world.transport(r),
-                            cuda=SameProcessCuda(0, flag_ops=mode_flags))
+                            cuda=SameProcessCuda(0, flag_ops=mode_flags), fused_launch=args.fused_launch)
             # Load every CUDA module before any rank launches: loading a module may wait for the whole
             # context, i.e. for peer threads' graphs that wait for this rank's first launch.
             for dt in (GPU_DTYPES if args.dtype == "all" else tuple(args.dtype.split(","))):
@@ -273,14 +279,18 @@ def bench(args, rank: int, n: int, srv, plans, comm: _Comm, mode: str) -> int:
     stopped = False
     for dt in dtypes:
         itemsize = np.dtype(storage(dt)).itemsize
-        for size in sizes:
+        cases = ([(parse_size(args.maxbytes), int(k)) for k in args.chunk_counts.split(",")] if args.chunk_counts
+                 else [(sz, 0) for sz in sizes])
+        for size, chunks in cases:
             late = bool(args.time_limit and time.monotonic() - started > args.time_limit)
             if comm.bcast(late):  # every rank stops at the same size
                 stopped = True
                 break
             count = max(1, size // itemsize)
             nbytes = count * itemsize
-            if args.chunk_bytes:
+            if chunks:
+                srv.chunk_bytes = max(256, (-(-nbytes // chunks) + 255) // 256 * 256)
+            elif args.chunk_bytes:
                 srv.chunk_bytes = parse_size(args.chunk_bytes)
             else:
                 srv.chunk_bytes = int(min(4 << 20, max(64 << 10, nbytes // (ntrees * 8))))
@@ -300,7 +310,7 @@ def bench(args, rank: int, n: int, srv, plans, comm: _Comm, mode: str) -> int:
                 _wait(stream)
                 wrong = count_wrong(x, dt, list(range(n)) if args.collective == "allreduce" else [args.root])
             iters = args.iters if nbytes < (64 << 20) else max(2, args.iters // 4)
-            for _ in range(args.warmup_iters):
+            for _ in range(max(args.warmup_iters, 3)):  # >= 3: every epoch residue's launch exists
                 once("perf")
             _wait(stream)
             comm.barrier()
@@ -313,6 +323,7 @@ def bench(args, rank: int, n: int, srv, plans, comm: _Comm, mode: str) -> int:
 
                 prof = cProfile.Profile()
                 prof.enable()
+            ops0 = srv.ex.chunk_ops
             e0.record(stream)
             for _ in range(iters):
                 h0, c0 = time.perf_counter(), time.thread_time()
@@ -321,6 +332,7 @@ def bench(args, rank: int, n: int, srv, plans, comm: _Comm, mode: str) -> int:
                 cpu.append(time.thread_time() - c0)
                 launch.append(srv.ex.last_launch_seconds)
             e1.record(stream)
+            ops_per_call = (srv.ex.chunk_ops - ops0) // max(1, iters)
             if prof is not None:
                 prof.disable()
                 import io
@@ -332,6 +344,12 @@ def bench(args, rank: int, n: int, srv, plans, comm: _Comm, mode: str) -> int:
                       file=sys.stderr, flush=True)
             _wait(e1)
             t = cupy.cuda.get_elapsed_time(e0, e1) * 1e-3 / iters
+            if args.check:  # once more, now through the repeat path (replay) the timed calls took
+                fill(x, rank, dt, 0)
+                _wait(cupy.cuda.get_current_stream())
+                once("perf")
+                _wait(stream)
+                wrong += count_wrong(x, dt, list(range(n)) if args.collective == "allreduce" else [args.root])
             t = comm.allreduce(t, "max")
             wrong = comm.allreduce(wrong, "sum")
             copy_gbps = None
@@ -352,13 +370,14 @@ def bench(args, rank: int, n: int, srv, plans, comm: _Comm, mode: str) -> int:
             row = {"impl": "blink", "collective": args.collective, "size": nbytes, "count": count, "type": dt,
                    "time_us": t * 1e6, "algbw": algbw, "busbw": algbw * factor, "wrong": wrong, "ranks": n,
                    "host_us": host_us, "launch_us": launch_us, "cpu_us": cpu_us, "mode": mode, "copy_GBps": copy_gbps,
-                   "chunk_bytes": srv.chunk_bytes,
+                   "chunk_bytes": srv.chunk_bytes, "chunk_ops": ops_per_call, "replays": srv.ex.replays,
                    "root": args.root if args.collective == "broadcast" else -1}
             rows.append(row)
             if rank == 0:
                 print(f"  {nbytes:>12} {count:>12} {NCCL[dt]:>8} {'sum' if args.collective == 'allreduce' else 'none':>6} "
                       f"{row['root']:>4} {t * 1e6:>9.1f} {algbw:>7.2f} {algbw * factor:>7.2f} {wrong:>6} "
-                      f"{host_us:>8.1f} {cpu_us:>7.1f} {launch_us:>9.1f} {copy_gbps:>9.1f}  ({format_size(nbytes)})", flush=True)
+                      f"{host_us:>8.1f} {cpu_us:>7.1f} {launch_us:>9.1f} {copy_gbps:>9.1f}  ({format_size(nbytes)}"
+                      f"{f', {-(-nbytes // srv.chunk_bytes)} chunks, {ops_per_call} ops' if chunks else ''})", flush=True)
             del x
             cupy.get_default_memory_pool().free_all_blocks()  # 8 ranks of 1 GB share one GPU
         if stopped:

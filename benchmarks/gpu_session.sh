@@ -33,6 +33,7 @@ if [ "${MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
     MPS_ON=1
 fi
 [ -n "${BLINK_GPU_FLAGS:-}" ] && MPI+=(-x BLINK_GPU_FLAGS)
+[ -n "${BLINK_GPU_LAUNCH:-}" ] && MPI+=(-x BLINK_GPU_LAUNCH)
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 want() { [ "$STEPS" = all ] || [[ " $STEPS " == *" $1 "* ]]; }
 step() {  # step NAME LIMIT_S COMMAND...
@@ -119,6 +120,14 @@ step fused-n8 160 "${MPI[@]}" -np 8 $PY "${PERF[@]}" "${FUSED[@]}" -b 4 -e 1G -f
     --json "$R/fused-n8.json" --time-limit 140
 step fused-bcast-n8 60 "${MPI[@]}" -np 8 $PY "${PERF[@]}" "${FUSED[@]}" --collective broadcast -b 4 -e 1G -f 16 \
     -n 5 --dtype float32 --json "$R/fused-bcast-n8.json" --time-limit 45
+# Host time vs chunk count (acceptance: <= 20 us at 1..256 chunks), fused programs launched as a graph and by
+# cuLaunchKernel, at 2, 4 and 8 ranks (64 MB, so the device is not the bottleneck of a 5-call window).
+for nr in 2 4 8; do
+    for how in graph kernel; do
+        step host-n$nr-$how 60 "${MPI[@]}" -np $nr $PY "${PERF[@]}" "${FUSED[@]}" --fused-launch $how -e 64M -n 40 \
+            --chunk-counts 1,2,4,8,16,32,64,128,256 --dtype float32 --json "$R/host-n$nr-$how.json" --time-limit 45
+    done
+done
 step fused-tests 300 env BLINK_GPU_FLAGS=fused $PY -m pytest -v -p no:cacheprovider -rs -s \
     tests/parallel/test_gpu_collectives.py ${TESTS_K:+-k "$TESTS_K"}
 step threads-fused 45 $PY "${PERF[@]}" --threads 2 --flag-ops fused --topology dgx1v -b 4 -e 64M -f 8 -n 10 \

@@ -30,6 +30,8 @@ __all__ = [
     "BLINK_FAULT",
     "BLINK_GPU_FLAGS",
     "GPU_FLAG_MODES",
+    "BLINK_GPU_LAUNCH",
+    "GPU_LAUNCH_MODES",
     "ALL_VARIABLES",
     "LAUNCHER_FLAGS",
     "Config",
@@ -55,6 +57,10 @@ BLINK_FAULT = "BLINK_FAULT"
 # share one GPU without MPS, fused otherwise).  See docs/gpu-runtime.md.
 BLINK_GPU_FLAGS = "BLINK_GPU_FLAGS"
 GPU_FLAG_MODES = ("auto", "kernel", "memop", "fused")
+# How a fused program (BLINK_GPU_FLAGS=fused) is launched: "graph" (a one-node CUDA graph, replayed) or
+# "kernel" (cuLaunchKernel with a parameter array built once).  Both are one driver call per collective.
+BLINK_GPU_LAUNCH = "BLINK_GPU_LAUNCH"
+GPU_LAUNCH_MODES = ("graph", "kernel")
 
 ALL_VARIABLES = (
     BLINK_ENABLE,
@@ -67,6 +73,7 @@ ALL_VARIABLES = (
     BLINK_LOG_LEVEL,
     BLINK_FAULT,
     BLINK_GPU_FLAGS,
+    BLINK_GPU_LAUNCH,
 )
 
 # blinkrun flag -> variable (one-to-one, as Horovod's launcher argument groups).
@@ -104,6 +111,7 @@ class Config:
     log_level: str = "warning"
     fault: str | None = None
     gpu_flags: str = "auto"
+    gpu_launch: str = "graph"
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -169,6 +177,10 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         raise ConfigError(f"{BLINK_LOG_LEVEL}: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
     cache_raw = env.get(BLINK_PLAN_CACHE, "").strip()
     gpu_flags = env.get(BLINK_GPU_FLAGS, "").strip().lower() or "auto"
+    gpu_launch = env.get(BLINK_GPU_LAUNCH, "").strip().lower() or "graph"
+    if gpu_launch not in GPU_LAUNCH_MODES:
+        raise ConfigError(f"{BLINK_GPU_LAUNCH}: expected one of {', '.join(GPU_LAUNCH_MODES)}, got "
+                          f"{env[BLINK_GPU_LAUNCH]!r}")
     if gpu_flags not in GPU_FLAG_MODES:
         raise ConfigError(f"{BLINK_GPU_FLAGS}: expected one of {', '.join(GPU_FLAG_MODES)}, got {env[BLINK_GPU_FLAGS]!r}")
     return Config(
@@ -182,4 +194,5 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         log_level=level,
         fault=_fault(env),
         gpu_flags=gpu_flags,
+        gpu_launch=gpu_launch,
     )

@@ -326,7 +326,8 @@ class Transport(ABC):
             if now >= ctx.deadline:
                 raise BlinkTimeoutError(
                     f"{ctx.label}: rank {self.rank} timed out after {ctx.timeout:g} s waiting for rank {peer} "
-                    f"({what}); ranks not arrived: {sorted(pending)} (BLINK_TIMEOUT_SECONDS={ctx.timeout:g})"
+                    f"({what}); ranks not arrived: {sorted(pending)}{self._wait_chain(peer)} "
+                    f"(BLINK_TIMEOUT_SECONDS={ctx.timeout:g})"
                 )
             if now >= next_warn:
                 log.warning(
@@ -335,6 +336,32 @@ class Transport(ABC):
                 )
                 next_warn = now + ctx.stall
             self.block(peer, word, seen, max(1e-4, min(_SLICE, ctx.deadline - now, next_warn - now)))
+
+    def _wait_chain(self, peer: int) -> str:
+        """Name the rank at the end of the chain of waits that starts at ``peer``.
+
+        A rank that times out often waits for a rank that itself waits for the
+        one that stalled; whichever survivor times out first speaks for all, so
+        its message follows the peers' W_SLEEP words (who sleeps on whom) to
+        the rank that waits on no one.  Sampled a few times: a waiter is awake
+        between its sleeps.
+        """
+        chain = [peer]
+        for _ in range(self.nranks):
+            nxt = -1
+            for _sample in range(5):
+                token = self.load(chain[-1], W_SLEEP)
+                if token:
+                    nxt = (token >> 24) - 1
+                    break
+                time.sleep(0.002)
+            if nxt < 0 or nxt in chain or nxt == self.rank or not 0 <= nxt < self.nranks:
+                break
+            chain.append(nxt)
+        if len(chain) == 1:
+            return ""
+        hops = "; ".join(f"rank {a} itself waits for rank {b}" for a, b in zip(chain, chain[1:]))
+        return f"; {hops}: rank {chain[-1]} is the one stalled"
 
     def check_peers(self, ctx: WaitContext) -> None:
         """Raise now if a peer has failed (called between collectives too)."""

@@ -279,14 +279,19 @@ class Cuda:
     def destroy_graph(self, graph: int) -> None:
         self.rt.graphDestroy(graph)
 
-    def destroy_exec(self, exe: int) -> None:
-        self.rt.graphExecDestroy(exe)
+    def destroy_exec(self, exe: Any) -> None:
+        if isinstance(exe, int):  # else a fused DirectLaunch: nothing to destroy
+            self.rt.graphExecDestroy(exe)
 
     def upload(self, exe: int, stream: int) -> None:
         self.rt.graphUpload(exe, stream)
 
-    def launch(self, exe: int, stream: int) -> None:
-        self.rt.graphLaunch(exe, stream)
+    def launch(self, exe: Any, stream: int) -> None:
+        """Launch a graph exec, or a fused program's prebuilt kernel launch (:class:`.fused.DirectLaunch`)."""
+        if isinstance(exe, int):
+            self.rt.graphLaunch(exe, stream)
+        else:
+            exe.go(stream)
 
     # -- kernels -----------------------------------------------------------------
     def module(self, source: str) -> Any:

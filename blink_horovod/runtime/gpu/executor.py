@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from ...config import GPU_LAUNCH_MODES
 from ...errors import BlinkInternalError, BlinkTimeoutError, ConfigError
 from .. import metadata
 from ..dtypes import check_op, numpy_dtype
@@ -56,6 +57,8 @@ GPU_MAX_PIECE_BYTES = 1 << 30  # the communicator's piece size on GPUs (one grap
 _INITIAL_BYTES = 1 << 20
 _INITIAL_WORDS = 4096
 _PAGE = 4096
+_SENT = 16  # launches whose metadata payload is kept for a device-found mismatch
+FUSED_LAUNCHES = GPU_LAUNCH_MODES  # a fused program launched as a one-node graph, or by cuLaunchKernel
 
 
 class _Segment:
@@ -92,7 +95,7 @@ class GpuExecutor:
 
     def __init__(self, transport: Transport, timeout: float, stall: float, device: int | None = None,
                  fault: str | None = None, max_graphs: int = 768, cuda: Any = None,
-                 flag_ops: str | None = None) -> None:
+                 flag_ops: str | None = None, fused_launch: str | None = None) -> None:
         self.t = transport
         self.rank, self.nranks = transport.rank, transport.nranks
         self.timeout, self.stall = timeout, stall
@@ -107,6 +110,16 @@ class GpuExecutor:
         else:
             ndev = 1  # an injected device (virtual ranks): every rank on it
         self.cuda = cuda
+        if fused_launch is None:
+            from ...config import load_config
+
+            fused_launch = load_config().gpu_launch
+        if fused_launch not in FUSED_LAUNCHES:
+            raise ConfigError(f"fused_launch: expected one of {', '.join(FUSED_LAUNCHES)}, got {fused_launch!r}")
+        self.fused_launch = fused_launch
+        # key -> everything a repeat of that collective needs (:meth:`replay`)
+        self._replays: dict[Any, tuple] = {}
+        self.replays = 0
         self._ranks_on_device = -(-self.nranks // max(1, ndev))
         self._fused: dict[tuple, tuple[Lowered, Any]] = {}
         self.seq = 0
@@ -147,7 +160,7 @@ class GpuExecutor:
         self._err_host, self._err_view = c.host_alloc(64)
         self._err_view[:] = 0
         self._seen: set[bytes] = set()
-        self._sent: OrderedDict[int, bytes] = OrderedDict()
+        self._sent: list[tuple[int, bytes]] = [(0, b"")] * _SENT  # ring by epoch: payload of each launch
         self._fp = 0
         self._head = b""
         self._probe_host, self._probe_view = c.host_alloc(8 * max(8, self.nranks))
@@ -160,11 +173,13 @@ class GpuExecutor:
     # -- the collective -------------------------------------------------------------
     def collective(self, label: str, checked: Mapping[str, Any], extras: Mapping[str, Any], arr: Any, dtype: str,
                    op: str, build: Callable[[list[dict[str, Any]]], Sequence[Piece]],
-                   stream: Any = None) -> list[dict[str, Any]]:
+                   stream: Any = None, replay_key: Any = None) -> list[dict[str, Any]]:
         """Launch one collective on the CUDA tensor ``arr`` (in place) on ``stream``; see the module docstring.
 
         ``op`` ``average`` is finished on the device (:attr:`fuses_average`).
-        Returns every rank's extras.
+        Returns every rank's extras.  ``replay_key``: a hashable name of everything that decides
+        this collective's metadata and pieces (the caller's promise); the next call with it may
+        then go through :meth:`replay`.
         """
         from .device import device_pointer
 
@@ -214,7 +229,81 @@ class GpuExecutor:
             self.last_wait_seconds = self._waited
             self.last_launch_seconds = time.perf_counter() - t1 - self._waited
             self.last_setup_free = not grew and self.captures == known
+            if replay_key is not None and all(v is None for v in extras.values()):
+                self._remember(replay_key, label, dtype, op, pieces, lows, itemsize)
             return all_extras
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
+    def _remember(self, key: Any, label: str, dtype: str, op: str, pieces: Sequence[Piece],
+                  lows: Sequence[Lowered], itemsize: int) -> None:
+        """Keep what :meth:`replay` needs to launch this collective again (graphs are looked up then)."""
+        runs = []
+        for piece, lw in zip(pieces, lows):
+            off = piece.direct * itemsize if piece.direct is not None else 0
+            keys = tuple((id(lw), dtype, op, r, self._gen) for r in range(RESIDUES))
+            runs.append((lw, keys, off, len(piece.program.ranks[self.rank])))
+        if len(self._replays) > 4096:
+            self._replays.clear()
+        self._replays[key] = (self._gen, self._memo, self._fp, self._head, tuple(runs), label)
+
+    def replay(self, key: Any, arr: Any, stream: Any = None) -> bool:
+        """Launch again the collective last run with ``replay_key=key``, on ``arr`` (same size, dtype and
+        metadata: the key says so); False when it cannot (nothing kept, buffers regrown, a graph of
+        the next epoch residue not captured yet, another thread, a failure pending), and the caller
+        then takes :meth:`collective`.
+
+        This is the host path of a training step's repeated buckets: no dicts, no program lookups,
+        one metadata exchange (graph programs) or none (fused: the device checks the fingerprint),
+        then one launch per piece.
+        """
+        rec = self._replays.get(key)
+        if rec is None or rec[0] != self._gen or self.failed is not None or self._closed:
+            return False
+        if threading.get_ident() != self._device_thread:
+            return False
+        fused = self._fused_mode
+        if fused and self._err_view[0]:
+            return False  # a mismatch found on the device: collective() reports it
+        graphs = self._graphs
+        runs = rec[4]
+        e = self.epoch
+        exes = []
+        for i, (lw, keys, _off, _n) in enumerate(runs):
+            hit = graphs.get(keys[(e + 1 + i) % RESIDUES])
+            if hit is None or hit[0] is not lw:
+                return False
+            exes.append(hit[1])
+        from .device import device_pointer
+
+        t0 = time.perf_counter()
+        base = device_pointer(arr)
+        sp = self.cuda.stream_pointer(stream)
+        ctx = WaitContext.start(rec[5], self.timeout, self.stall)
+        try:
+            self.seq += 1
+            memo = rec[1]
+            self._memo = memo
+            if fused:
+                self._fp, self._head = rec[2], rec[3]
+            else:
+                payload = memo[2]
+                payloads = self.t.exchange_meta(self.seq, payload, ctx)
+                if any(p != payload for p in payloads):
+                    metadata.check_agreement(payloads, self.seq)  # raises, naming ranks and fields
+            t1 = time.perf_counter()
+            self._waited = 0.0
+            for (lw, keys, off, nops), exe in zip(runs, exes):
+                self.epoch += 1
+                self._launch(exe, self.epoch % RESIDUES, base + off, sp, ctx)
+                self.chunk_ops += nops
+            self.last_meta_seconds = t1 - t0
+            self.last_wait_seconds = self._waited
+            self.last_launch_seconds = time.perf_counter() - t1 - self._waited
+            self.last_setup_free = True
+            self.replays += 1
+            return True
         except BaseException as exc:
             self.fail(exc)
             raise
@@ -275,7 +364,9 @@ class GpuExecutor:
         bad = int(self._err_view[0])
         if not bad:
             return
-        payload = self._sent.get(bad, b"")
+        epoch, payload = self._sent[bad % _SENT]
+        if epoch != bad:
+            payload = b""
         seq = (1 << 31) + bad  # above every sequence number used before, the same on every rank (a 32-bit word)
         payloads = self.t.exchange_meta(seq, payload, ctx)
         metadata.check_agreement(payloads, seq)
@@ -390,6 +481,9 @@ class GpuExecutor:
                 hit[1].free()
             hit = self._fused[fkey] = (lw, fp)
         mod = self.preload(dtype)
+        if self.fused_launch == "kernel":
+            return hit[1].direct(residue, self._args_host + ARGS_SLOT * residue, dtype, op, mod,
+                                 err=self._err_host, meta_word=self._seg.words - META_WORDS)
         if not self._streams:
             self._streams.append(self.cuda.stream())
         self.cuda.set_device()
@@ -424,10 +518,7 @@ class GpuExecutor:
         view[slot] = user
         view[slot + 1] = self._fp
         view[slot + 2] = self.epoch
-        sent = self._sent
-        sent[self.epoch] = self._memo[2] if self._memo is not None else b""
-        if len(sent) > 16:
-            sent.popitem(last=False)
+        self._sent[self.epoch % _SENT] = (self.epoch, self._memo[2] if self._memo is not None else b"")
         a0 = time.perf_counter()
         self.cuda.launch(exe, stream)
         self.last_api_seconds = time.perf_counter() - a0

@@ -58,7 +58,7 @@ from .lowering import (
     Lowered,
 )
 
-__all__ = ["ARGS_SLOT", "CMD_WORDS", "META_WORDS", "STRIPE", "THREADS", "FusedProgram", "blocks_per_group", "decode", "encode", "fused_source"]
+__all__ = ["ARGS_SLOT", "CMD_WORDS", "META_WORDS", "STRIPE", "THREADS", "DirectLaunch", "FusedProgram", "blocks_per_group", "decode", "encode", "fused_source"]
 
 THREADS = 256  # threads per block
 STRIPE = 16384  # bytes of the buffer per stripe (a multiple of 16 and of every itemsize)
@@ -414,7 +414,44 @@ class FusedProgram:
             raise
         return instantiate_capture(c, sp)
 
+    def direct(self, residue: int, args_host: int, dtype: str, op: str, module: Any, err: int = 0,
+               meta_word: int = 0) -> "DirectLaunch":
+        """The same launch as :meth:`capture`'s graph, made by ``cuLaunchKernel`` itself: one driver call
+        with a prebuilt parameter array, no graph (a one-node graph's launch costs more host time)."""
+        from .lowering import RESIDUES
+
+        if not 0 <= residue < RESIDUES:
+            raise BlinkInternalError(f"fused launch: residue {residue}")
+        fn = module.get_function(fused_name(dtype, op))
+        average_n = self.lw.nranks if op == "average" else 0
+        return DirectLaunch(fn, self.ngroups * self.blocks, THREADS,
+                            ("u64", self.ptr), ("u64", args_host), ("u64", self.sync), ("i32", residue + 3),
+                            ("i32", self.blocks), ("i32", self.lw.rank), ("i32", average_n), ("u64", err),
+                            ("i32", meta_word))
+
     def free(self) -> None:
         if self.ptr:
             self.cuda.free(self.ptr)
             self.ptr = 0
+
+
+class DirectLaunch:
+    """A kernel launch ready to go: function, grid and the ``void*[]`` of its parameters built once, so
+    :meth:`go` is a single ``cuLaunchKernel`` (through CuPy's thin driver binding)."""
+
+    def __init__(self, fn: Any, grid: int, block: int, *params: tuple[str, int]) -> None:
+        import ctypes
+
+        from cupy.cuda import driver
+
+        self._launch = driver.launchKernel
+        self._fn = fn  # keeps the module's function alive
+        self._fptr = int(fn.ptr)
+        self.grid, self.block = int(grid), int(block)
+        kinds = {"u64": ctypes.c_uint64, "i32": ctypes.c_int32}
+        self._values = [kinds[k](v) for k, v in params]
+        self._array = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
+        self._params = ctypes.addressof(self._array)
+
+    def go(self, stream: int) -> None:
+        self._launch(self._fptr, self.grid, 1, 1, self.block, 1, 1, 0, stream, self._params, 0)

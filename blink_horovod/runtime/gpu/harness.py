@@ -30,14 +30,15 @@ class GpuServer:
 
     def __init__(self, local_rank: int, local_size: int, job: str, pids: list[int], timeout: float = 120.0,
                  planner: Callable[[str, int | None], Plan] | None = None, chunk_bytes: int = 1 << 20,
-                 device: int | None = None, transport: Any = None, cuda: Any = None) -> None:
+                 device: int | None = None, transport: Any = None, cuda: Any = None,
+                 fused_launch: str | None = None) -> None:
         if transport is None:
             from ..shm import ShmTransport
 
             ctx = WaitContext.start("gpu server setup", timeout, 60.0)
             transport = ShmTransport(local_rank, local_size, job, ctx, pids=pids, data_bytes=4096, nflags=16)
         self.transport = transport
-        self.ex = GpuExecutor(self.transport, timeout, 60.0, device=device, cuda=cuda)
+        self.ex = GpuExecutor(self.transport, timeout, 60.0, device=device, cuda=cuda, fused_launch=fused_launch)
         self.rank, self.n = local_rank, local_size
         self.planner = planner
         self.chunk_bytes = chunk_bytes
@@ -59,6 +60,7 @@ class GpuServer:
              plan_key: tuple[str, int | None], make: Callable[[Plan, int], list[Piece]], stream: Any, name: str) -> None:
         from ..dtypes import numpy_dtype
 
+        key = (collective, count, dtype, op, root, name, self.chunk_bytes)
         extras: dict[str, Any] = {}
         plan = self.plans.get(plan_key)
         if plan is None and self.rank == 0:
@@ -75,9 +77,13 @@ class GpuServer:
                 p = self.plans[plan_key] = Plan.from_dict(all_extras[0]["plan"])
             return make(p, chunk)
 
-        self.ex.collective(f"{collective} {name!r}", checked, extras, arr, dtype, op or "sum", build, stream=stream)
+        self.ex.collective(f"{collective} {name!r}", checked, extras, arr, dtype, op or "sum", build, stream=stream,
+                           replay_key=key)
 
     def allreduce(self, arr: Any, count: int, dtype: str, op: str = "sum", stream: Any = None, name: str = "") -> None:
+        # A repeat (same key as _run's) is one replay: nothing below runs.
+        if self.ex.replay(("allreduce", count, dtype, op, None, name, self.chunk_bytes), arr, stream):
+            return
         piece = max(1, GPU_MAX_PIECE_BYTES // _itemsize(dtype))
 
         def make(plan: Plan, chunk: int) -> list[Piece]:
@@ -87,6 +93,8 @@ class GpuServer:
         self._run("allreduce", arr, count, dtype, op, None, ("allreduce", None), make, stream, name)
 
     def broadcast(self, arr: Any, count: int, dtype: str, root: int = 0, stream: Any = None, name: str = "") -> None:
+        if self.ex.replay(("broadcast", count, dtype, None, root, name, self.chunk_bytes), arr, stream):
+            return
         piece = max(1, GPU_MAX_PIECE_BYTES // _itemsize(dtype))
         me = self.rank
 
