@@ -446,7 +446,8 @@ class DirectLaunch:
 
         self._launch = driver.launchKernel
         self._fn = fn  # keeps the module's function alive
-        self._fptr = int(fn.ptr)
+        # module.get_function gives a RawKernel; its .kernel is the loaded CUfunction wrapper
+        self._fptr = int(getattr(fn, "kernel", fn).ptr)
         self.grid, self.block = int(grid), int(block)
         kinds = {"u64": ctypes.c_uint64, "i32": ctypes.c_int32}
         self._values = [kinds[k](v) for k, v in params]
