@@ -199,6 +199,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise ValueError("backward_passes_per_step must be > 0")
     methods = dict(_DistributedOptimizer.__dict__)
     methods.update({k: v for k, v in _BucketMethods.__dict__.items() if not k.startswith("__")})
+    # Horovod's broadcast_optimizer_state steps a fresh optimizer without its allreduce only when
+    # optimizer.__module__ == DistributedOptimizer.__module__ (the factory it imports, i.e. this one):
+    # the class must say this module, or ranks with empty state submit an allreduce rank 0 never does.
+    methods["__module__"] = __name__
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set)
