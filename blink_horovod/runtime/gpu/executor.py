@@ -58,7 +58,6 @@ _INITIAL_BYTES = 1 << 20
 _INITIAL_WORDS = 4096
 _PAGE = 4096
 _SENT = 16  # launches whose metadata payload is kept for a device-found mismatch
-FUSED_LAUNCHES = GPU_LAUNCH_MODES  # a fused program launched as a one-node graph, or by cuLaunchKernel
 
 
 class _Segment:
@@ -114,8 +113,8 @@ class GpuExecutor:
             from ...config import load_config
 
             fused_launch = load_config().gpu_launch
-        if fused_launch not in FUSED_LAUNCHES:
-            raise ConfigError(f"fused_launch: expected one of {', '.join(FUSED_LAUNCHES)}, got {fused_launch!r}")
+        if fused_launch not in GPU_LAUNCH_MODES:  # a fused program as a one-node graph, or by cuLaunchKernel
+            raise ConfigError(f"fused_launch: expected one of {', '.join(GPU_LAUNCH_MODES)}, got {fused_launch!r}")
         self.fused_launch = fused_launch
         # key -> everything a repeat of that collective needs (:meth:`replay`)
         self._replays: dict[Any, tuple] = {}

@@ -57,10 +57,11 @@ class GpuServer:
         return prog
 
     def _run(self, collective: str, arr: Any, count: int, dtype: str, op: str | None, root: int | None,
-             plan_key: tuple[str, int | None], make: Callable[[Plan, int], list[Piece]], stream: Any, name: str) -> None:
+             plan_key: tuple[str, int | None], make: Callable[[Plan, int], list[Piece]], stream: Any, name: str,
+             key: Any = None) -> None:
+        """``key``: the caller's replay key (:meth:`_replay_key`), kept by the executor for the next repeat."""
         from ..dtypes import numpy_dtype
 
-        key = (collective, count, dtype, op, root, name, self.chunk_bytes)
         extras: dict[str, Any] = {}
         plan = self.plans.get(plan_key)
         if plan is None and self.rank == 0:
@@ -80,9 +81,14 @@ class GpuServer:
         self.ex.collective(f"{collective} {name!r}", checked, extras, arr, dtype, op or "sum", build, stream=stream,
                            replay_key=key)
 
+    def _replay_key(self, collective: str, count: int, dtype: str, op: str | None, root: int | None,
+                    name: str) -> tuple:
+        """Everything that decides a collective's metadata and pieces here (the plan is fixed per key)."""
+        return (collective, count, dtype, op, root, name, self.chunk_bytes)
+
     def allreduce(self, arr: Any, count: int, dtype: str, op: str = "sum", stream: Any = None, name: str = "") -> None:
-        # A repeat (same key as _run's) is one replay: nothing below runs.
-        if self.ex.replay(("allreduce", count, dtype, op, None, name, self.chunk_bytes), arr, stream):
+        key = self._replay_key("allreduce", count, dtype, op, None, name)
+        if self.ex.replay(key, arr, stream):  # a repeat is one replay: nothing below runs
             return
         piece = max(1, GPU_MAX_PIECE_BYTES // _itemsize(dtype))
 
@@ -90,10 +96,11 @@ class GpuServer:
             return [Piece(self.program(plan, min(piece, count - a), chunk, "allreduce"), direct=a)
                     for a in range(0, count, piece)]
 
-        self._run("allreduce", arr, count, dtype, op, None, ("allreduce", None), make, stream, name)
+        self._run("allreduce", arr, count, dtype, op, None, ("allreduce", None), make, stream, name, key)
 
     def broadcast(self, arr: Any, count: int, dtype: str, root: int = 0, stream: Any = None, name: str = "") -> None:
-        if self.ex.replay(("broadcast", count, dtype, None, root, name, self.chunk_bytes), arr, stream):
+        key = self._replay_key("broadcast", count, dtype, None, root, name)
+        if self.ex.replay(key, arr, stream):
             return
         piece = max(1, GPU_MAX_PIECE_BYTES // _itemsize(dtype))
         me = self.rank
@@ -102,7 +109,7 @@ class GpuServer:
             return [Piece(self.program(plan, min(piece, count - a), chunk, "broadcast"), direct=a,
                           has_input=me == root, wants_output=me != root) for a in range(0, count, piece)]
 
-        self._run("broadcast", arr, count, dtype, None, root, ("broadcast", root), make, stream, name)
+        self._run("broadcast", arr, count, dtype, None, root, ("broadcast", root), make, stream, name, key)
 
     def _segment_runs(self, count: int) -> list[tuple[int, int, int]]:
         n = self.n
