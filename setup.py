@@ -79,6 +79,8 @@ setup(
     description="Blink-style topology-aware collectives for Horovod",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
+    # The simulator's event loop in C (sim/native.py compiles it on first use).
+    package_data={"blink_horovod.sim": ["_fluid.c"]},
     python_requires=">=3.11",
     install_requires=[
         "numpy",

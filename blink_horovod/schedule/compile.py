@@ -55,11 +55,14 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from collections.abc import Sequence
+
+import numpy as np
 
 from ..errors import ScheduleError
 from ..planner.plan import CHANNELS, Plan, Tree
-from .program import DONE_FLAG, PROGRAM_KINDS, START_FLAG, Op, Program
+from .program import DONE_FLAG, PROGRAM_KINDS, START_FLAG, Op, Program, make_op
 
 __all__ = ["FRACTION_EPS", "chunk_count", "compile_program", "tree_ranges"]
 
@@ -68,6 +71,7 @@ FRACTION_EPS = 1e-9
 _FIRST_EVENT_FLAG = 2  # flags 0 and 1 are START_FLAG and DONE_FLAG
 LANE_POLICIES = ("root", "link", "tree")
 CHUNKING_POLICIES = ("fixed", "even")
+_STEP_SEQ = operator.itemgetter(0, 1)  # op records sort by (step, generation order)
 
 
 def _is_int(x: object) -> bool:
@@ -228,6 +232,10 @@ def _pace(recs: list[list], pace: int, streams: int = 1) -> None:
     most ``s - pace``: a tree can run at most ``pace`` steps ahead of another
     on a link they share.  Every such edge points to a smaller step, so the
     step contract (program.py) still holds.
+
+    t's transfers over one link and of one lane run in step order, so an edge
+    to u's k-th transfer also covers t's later ones in that lane: it is added
+    once per lane, at the first of t's transfers (in that lane) that needs it.
     """
     by_link: dict[tuple, dict[int, list[list]]] = {}
     for rec in recs:
@@ -236,25 +244,72 @@ def _pace(recs: list[list], pace: int, streams: int = 1) -> None:
     for trees in by_link.values():
         if len(trees) < 2:
             continue
-        steps = {t: [rec[0] for rec in rs] for t, rs in trees.items()}  # generated in chunk order: ascending steps
-        for t, rs in trees.items():
-            # t's transfers over one link and of one lane run in step order, so
-            # an edge to u's k-th transfer also covers t's later ones in that
-            # lane: add it once per lane.
-            seen = {(u, j): -1 for u in trees for j in range(streams)}
-            for rec in rs:
-                limit = rec[0] - pace
-                lane = rec[8] % streams
-                extra = []
-                for u, urs in trees.items():
-                    if u == t:
-                        continue
-                    k = bisect.bisect_right(steps[u], limit) - 1
-                    if k > seen[u, lane]:
-                        seen[u, lane] = k
-                        extra.append(urs[k][1])
-                if extra:
-                    rec[11] = (*rec[11], *extra)
+        steps = {t: np.fromiter((rec[0] for rec in rs), np.int64, len(rs)) for t, rs in trees.items()}
+        if all(bool(np.all(st[1:] >= st[:-1])) for st in steps.values()):
+            _pace_sorted(trees, steps, pace, streams)
+        else:  # pragma: no cover - the compiler generates every tree's transfers over a link in step order
+            _pace_any(trees, pace, streams)
+
+
+def _pace_sorted(trees: dict[int, list[list]], steps: dict[int, np.ndarray], pace: int, streams: int) -> None:
+    """:func:`_pace` for transfers in ascending step order (vectorised; the same edges as :func:`_pace_any`).
+
+    Ascending steps make ``k`` (u's latest transfer at or before ``s - pace``)
+    non-decreasing along t's transfers, so "k beyond the last edge of this
+    lane" is "k beyond k of the lane's previous transfer".
+    """
+    seqs = {u: np.fromiter((rec[1] for rec in urs), np.int64, len(urs)) for u, urs in trees.items()}
+    for t, rs in trees.items():
+        limits = steps[t] - pace
+        lanes = np.fromiter((rec[8] % streams for rec in rs), np.int64, len(rs))
+        at: list[np.ndarray] = []
+        to: list[np.ndarray] = []
+        for u in trees:
+            if u == t:
+                continue
+            k = np.searchsorted(steps[u], limits, side="right") - 1
+            emit = np.zeros(len(rs), bool)
+            for lane in range(streams):
+                where = np.flatnonzero(lanes == lane)
+                if where.size:
+                    kk = k[where]
+                    prev = np.concatenate(([-1], kk[:-1]))
+                    emit[where[kk > prev]] = True
+            pos = np.flatnonzero(emit)
+            at.append(pos)
+            to.append(seqs[u][k[pos]])
+        if not at:
+            continue
+        pos_all = np.concatenate(at)
+        seq_all = np.concatenate(to)
+        order = np.argsort(pos_all, kind="stable")  # per transfer, the other trees in dict order
+        pos_sorted = pos_all[order]
+        seq_list = seq_all[order].tolist()
+        firsts, starts = np.unique(pos_sorted, return_index=True)
+        bounds = [*starts.tolist(), len(seq_list)]
+        for j, p in enumerate(firsts.tolist()):
+            rec = rs[p]
+            rec[11] = (*rec[11], *seq_list[bounds[j]:bounds[j + 1]])
+
+
+def _pace_any(trees: dict[int, list[list]], pace: int, streams: int) -> None:
+    """:func:`_pace` for transfers in any order (one bisection per transfer and other tree)."""
+    steps = {t: [rec[0] for rec in rs] for t, rs in trees.items()}
+    for t, rs in trees.items():
+        seen = {(u, j): -1 for u in trees for j in range(streams)}
+        for rec in rs:
+            limit = rec[0] - pace
+            lane = rec[8] % streams
+            extra = []
+            for u, urs in trees.items():
+                if u == t:
+                    continue
+                k = bisect.bisect_right(steps[u], limit) - 1
+                if k > seen[u, lane]:
+                    seen[u, lane] = k
+                    extra.append(urs[k][1])
+            if extra:
+                rec[11] = (*rec[11], *extra)
 
 
 class _Rank:
@@ -474,20 +529,22 @@ def compile_program(
             _pace(recs, pace, streams)
         if rk.needs_start:
             recs.append([0, -1, "post", -1, START_FLAG, 0, 0, -1, -1, None, "nvlink", (), ()])
-        recs.sort(key=lambda rec: (rec[0], rec[1]))
+        recs.sort(key=_STEP_SEQ)
         index_of = {rec[1]: i for i, rec in enumerate(recs)}
         lane_idx = [0 if rec[9] is None else lane_of[rec[9]] for rec in recs]
         ops: list[Op] = []
+        append = ops.append
+        position = index_of.__getitem__
         last_in_lane: dict[int, int] = {}
         for i, rec in enumerate(recs):
             step, _, okind, peer, flag, a, m, t, c, _, ch, after_seqs, sources = rec
             lane = lane_idx[i]
             # Keep only dependencies on other lanes: a lane runs its ops in order.
-            after = tuple(j for j in (index_of[x] for x in after_seqs) if lane_idx[j] != lane)
+            after = tuple([j for j in map(position, after_seqs) if lane_idx[j] != lane]) if after_seqs else ()
             # Chunk posts keep the chunk's region (informational, for traces).
-            ops.append(Op(okind, peer, flag, a, m, t, c, step, lane, ch, after, sources))
+            append(make_op(okind, peer, flag, a, m, t, c, step, lane, ch, after, sources))
             last_in_lane[lane] = i
-            max_step = max(max_step, step)
+        max_step = max(max_step, recs[-1][0])  # sorted by step
         has_reads = any(op.kind != "post" for op in ops)
         if has_reads:
             last_step = ops[-1].step

@@ -56,7 +56,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["DONE_FLAG", "PROGRAM_KINDS", "START_FLAG", "Op", "OpKind", "Program"]
+__all__ = ["DONE_FLAG", "PROGRAM_KINDS", "START_FLAG", "Op", "OpKind", "Program", "make_op"]
 
 OpKind = Literal["post", "copy", "reduce", "fanin"]
 
@@ -92,6 +92,31 @@ class Op:
         if self.kind == "post":
             return ()
         return self.peers if self.kind == "fanin" else ((self.peer, self.flag),)
+
+
+_new_op = object.__new__
+# Op's slot setters, in field order: the frozen dataclass's __init__ calls object.__setattr__ by name per field.
+(_s_kind, _s_peer, _s_flag, _s_offset, _s_count, _s_tree, _s_chunk, _s_step, _s_stream, _s_channel, _s_after,
+ _s_peers) = (getattr(Op, name).__set__ for name in Op.__dataclass_fields__)
+
+
+def make_op(kind: OpKind, peer: int, flag: int, offset: int, count: int, tree: int, chunk: int, step: int,
+            stream: int, channel: str, after: tuple[int, ...], peers: tuple[tuple[int, int], ...]) -> Op:
+    """``Op(...)`` with every field given, in half the time: the compiler makes ~10^5 per program."""
+    op = _new_op(Op)
+    _s_kind(op, kind)
+    _s_peer(op, peer)
+    _s_flag(op, flag)
+    _s_offset(op, offset)
+    _s_count(op, count)
+    _s_tree(op, tree)
+    _s_chunk(op, chunk)
+    _s_step(op, step)
+    _s_stream(op, stream)
+    _s_channel(op, channel)
+    _s_after(op, after)
+    _s_peers(op, peers)
+    return op
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import ScheduleError
 from ..schedule.program import Program
 from ..topology.model import Topology
@@ -68,72 +70,89 @@ def program_task_graph(
     g = TaskGraph()
     itemsize = params.itemsize
     where: list[tuple[int, int]] = []
+    # Signal of (rank, flag): dense ids for the flags each rank declares (program.nflags), a dict for others.
+    sig_base = [0] * (program.nranks + 1)
+    nflags = tuple(program.nflags) + (0,) * max(0, program.nranks - len(program.nflags))
+    for q in range(program.nranks):
+        sig_base[q + 1] = sig_base[q] + max(0, nflags[q])
+    g.nsignals = sig_base[-1]
     signals: dict[tuple[int, int], int] = {}
+    new_signal = g.signal
 
     def sig(rank: int, flag: int) -> int:
-        s = signals.get((rank, flag))
+        if 0 <= flag < nflags[rank]:
+            return sig_base[rank] + flag
+        key = (rank, flag)
+        s = signals.get(key)
         if s is None:
-            s = signals[(rank, flag)] = g.signal()
+            s = signals[key] = new_signal()
         return s
 
     # The PCIe channel switch, paid once before the first PCIe byte (Blink 3.4):
     # GPU pairs that NVLink joins must have peer access disabled for their
-    # bytes to take PCIe; pairs without NVLink use PCIe anyway.
-    pcie_pairs = {
-        frozenset((r, op.peer))
-        for r, _, op in program.ops()
-        if op.kind != "post" and op.channel == "pcie" and resources.nvlink_connected(gpus[op.peer], gpus[r])
-    }
+    # bytes to take PCIe; pairs without NVLink use PCIe anyway.  Collected below.
+    pcie_pairs: set[frozenset[int]] = set()
     reduce_lat = params.copy_s + params.reduce_extra_s
+    copy_lat = params.copy_s
+    post_s = params.post_s
     # Appended straight to the graph's lists: this loop runs once per op.
     g_lat, g_bytes, g_tail, g_res, g_deps, g_waits, g_raises, g_tags = (
         g.latency, g.nbytes, g.tail, g.resources, g.deps, g.waits, g.raises, g.tags
     )
     route_of = resources.route
     reducer = resources.reducer
+    nranks = program.nranks
     gate_deps: list[list[int]] = []  # pcie tasks: wired to the gate once its id is known
     for r, ops in enumerate(program.ranks):
         nops = len(ops)
         # A post that directly follows a copy/reduce on its lane, waits for
         # nothing else, and covers an op no other op waits for, is folded into
         # that op as a tail latency: the same timing, one task fewer.
-        referenced = set()
-        for op in ops:
-            for j in op.after:
-                if not 0 <= j < nops:
-                    raise ScheduleError(f"rank {r} op {ops.index(op)}: after index {j} is outside the rank's {nops} ops")
-                referenced.add(j)
+        referenced: set[int] = set()
+        for k, op in enumerate(ops):
+            after = op.after
+            if after:
+                if min(after) < 0 or max(after) >= nops:
+                    j = next(x for x in after if not 0 <= x < nops)
+                    raise ScheduleError(f"rank {r} op {k}: after index {j} is outside the rank's {nops} ops")
+                referenced.update(after)
         tid_of = [0] * nops
         last_in_lane: dict[int, int] = {}  # stream -> op index
         dst = gpus[r]
+        # (peer, channel, kind) -> resources of a copy or reduce into this rank
+        routes: dict[tuple[int, str, str], tuple[int, ...]] = {}
         for i, op in enumerate(ops):
-            prev = last_in_lane.get(op.stream)
+            stream = op.stream
+            prev = last_in_lane.get(stream)
             kind = op.kind
+            after = op.after
             if (
                 fold_posts
                 and kind == "post"
                 and prev is not None
                 and ops[prev].kind != "post"
-                and not op.after
+                and not after
                 and prev not in referenced
                 and g_raises[tid_of[prev]] < 0
             ):
                 tid = tid_of[prev]
-                g_tail[tid] += params.post_s
+                g_tail[tid] += post_s
                 g_raises[tid] = sig(r, op.flag)
                 tid_of[i] = tid
-                last_in_lane[op.stream] = i
+                last_in_lane[stream] = i
                 continue
             deps = [] if prev is None else [tid_of[prev]]
-            for j in op.after:
-                if j >= i:
+            if after:
+                if max(after) >= i:
+                    j = next(x for x in after if x >= i)
                     raise ScheduleError(f"rank {r} op {i}: after index {j} is not an earlier op")
-                deps.append(tid_of[j])
+                deps.extend([tid_of[j] for j in after])
             tid = len(g_lat)
             tid_of[i] = tid
-            last_in_lane[op.stream] = i
+            last_in_lane[stream] = i
+            key = (r, i)
             if kind == "post":
-                g_lat.append(params.post_s)
+                g_lat.append(post_s)
                 g_bytes.append(0.0)
                 g_res.append(())
                 g_waits.append(())
@@ -143,10 +162,12 @@ def program_task_graph(
                 # are up, then one flow per source, done when the last lands.
                 srcs = op.peers
                 for q, _ in srcs:
-                    if not 0 <= q < program.nranks or q == r:
-                        raise ScheduleError(f"rank {r} op {i}: peer {q} is not another rank of {program.nranks}")
+                    if not 0 <= q < nranks or q == r:
+                        raise ScheduleError(f"rank {r} op {i}: peer {q} is not another rank of {nranks}")
                 if op.channel == "pcie":
                     gate_deps.append(deps)
+                    if resources.nvlink_connected(gpus[op.peer], dst):
+                        pcie_pairs.add(frozenset((r, op.peer)))
                 head = len(g_lat)
                 g_lat.append(reduce_lat)
                 g_bytes.append(0.0)
@@ -156,7 +177,7 @@ def program_task_graph(
                 g_tail.append(0.0)
                 g_deps.append(deps)  # type: ignore[arg-type]
                 g_tags.append((r, i, "head"))
-                where.append((r, i))
+                where.append(key)
                 flows = []
                 nb = float(op.count * itemsize)
                 for q, _ in srcs:
@@ -169,7 +190,7 @@ def program_task_graph(
                     g_tail.append(0.0)
                     g_deps.append([head])
                     g_tags.append((r, i, q))
-                    where.append((r, i))
+                    where.append(key)
                 tid = len(g_lat)
                 tid_of[i] = tid
                 g_lat.append(0.0)
@@ -180,34 +201,39 @@ def program_task_graph(
                 deps = flows
             elif kind == "copy" or kind == "reduce":
                 peer = op.peer
-                if not 0 <= peer < program.nranks or peer == r:
-                    raise ScheduleError(f"rank {r} op {i}: peer {peer} is not another rank of {program.nranks}")
-                route = route_of(gpus[peer], dst, op.channel)
-                if kind == "reduce":
-                    route = route + (reducer(dst),)
-                    g_lat.append(reduce_lat)
-                else:
-                    g_lat.append(params.copy_s)
-                if op.channel == "pcie":
+                channel = op.channel
+                rkey = (peer, channel, kind)
+                route = routes.get(rkey)
+                if route is None:
+                    if not 0 <= peer < nranks or peer == r:
+                        raise ScheduleError(f"rank {r} op {i}: peer {peer} is not another rank of {nranks}")
+                    route = route_of(gpus[peer], dst, channel)
+                    if kind == "reduce":
+                        route = route + (reducer(dst),)
+                    routes[rkey] = route
+                g_lat.append(reduce_lat if kind == "reduce" else copy_lat)
+                if channel == "pcie":
                     gate_deps.append(deps)
+                    if resources.nvlink_connected(gpus[peer], dst):
+                        pcie_pairs.add(frozenset((r, peer)))
                 nb = op.count * itemsize
                 if nb < 0:
                     raise ScheduleError(f"rank {r} op {i}: negative count {op.count}")
                 g_bytes.append(float(nb))
                 g_res.append(route)
-                g_waits.append((sig(peer, op.flag),))
+                flag = op.flag
+                g_waits.append((sig_base[peer] + flag,) if 0 <= flag < nflags[peer] else (sig(peer, flag),))
                 g_raises.append(-1)
             else:
                 raise ScheduleError(f"rank {r} op {i}: unknown op kind {kind!r}")
             g_tail.append(0.0)
             g_deps.append(deps)  # type: ignore[arg-type]
-            g_tags.append((r, i))
-            where.append((r, i))
+            g_tags.append(key)
+            where.append(key)
     gate_id = len(g_lat)
     for deps in gate_deps:
         deps.append(gate_id)
-    g.deps[:] = [tuple(d) for d in g.deps]
-    if pcie_pairs:
+    if gate_deps:  # no NVLink pair among them: a gate of no latency
         g.add(params.pcie_switch_s * len(pcie_pairs), tag=("pcie-switch", len(pcie_pairs)))
         where.append((-1, -1))
     return g, where
@@ -254,15 +280,16 @@ def simulate_program(
     rmap = resources if resources is not None else ResourceMap(topology, params)
     graph, where = program_task_graph(program, rmap, gpus, params, fold_posts)
     out = run(graph, rmap.capacity, t0=params.launch_s)
-    rank_finish = [params.launch_s] * program.nranks
-    for tid, (r, _) in enumerate(where):
-        if r >= 0 and out.finish[tid] > rank_finish[r]:
-            rank_finish[r] = out.finish[tid]
+    rank_finish = np.full(program.nranks, params.launch_s)
+    if where:
+        owner = np.fromiter((r for r, _ in where), np.int64, len(where))
+        mine = owner >= 0
+        np.maximum.at(rank_finish, owner[mine], np.asarray(out.finish, np.float64)[mine])
     used = {rmap.names[k]: b for k, b in enumerate(out.resource_bytes) if b > 0}
     caps = {rmap.names[k]: rmap.capacity[k] for k, b in enumerate(out.resource_bytes) if b > 0}
     return SimResult(
         time_s=out.makespan,
-        rank_finish_s=tuple(rank_finish),
+        rank_finish_s=tuple(rank_finish.tolist()),
         ops=program.num_ops(),
         events=out.events,
         bytes_per_resource=used,
