@@ -415,7 +415,7 @@ class FusedProgram:
         return instantiate_capture(c, sp)
 
     def direct(self, residue: int, args_host: int, dtype: str, op: str, module: Any, err: int = 0,
-               meta_word: int = 0) -> "DirectLaunch":
+               meta_word: int = 0) -> DirectLaunch:
         """The same launch as :meth:`capture`'s graph, made by ``cuLaunchKernel`` itself: one driver call
         with a prebuilt parameter array, no graph (a one-node graph's launch costs more host time)."""
         from .lowering import RESIDUES
