@@ -38,7 +38,6 @@ SIM_BYTES = 100 * 1024 * 1024
 def _worker(args: argparse.Namespace) -> int:
     import copy
 
-    import numpy as np
     import torch
     import torch.nn as nn
     import torch.nn.functional as F

@@ -6,7 +6,6 @@ Prints "RANK r OK <stats json>" at the end; any failure raises (non-zero exit).
 
 import json
 import os
-import sys
 
 import numpy as np
 import torch
