@@ -163,9 +163,16 @@ def scenario(name: str, rank: int, n: int, srv: GpuServer, args: list[str]) -> d
         return out
     if name == "hosttime":
         # Host time of a collective vs the number of chunks per tree (acceptance: <= 20 us, 1..256).
+        # Optional: CHUNKS ("1,4,16") and MODE: "back" (back to back, the acceptance) or "idle" (the
+        # device drained before each timed call: host time on an idle GPU, for diagnosis);
+        # BLINK_TEST_SPIN_S overrides how long the executor's waits spin.
         reps = int(args[0]) if args else 200
+        counts = tuple(int(c) for c in args[1].split(",")) if len(args) > 1 else (1, 4, 16, 64, 256)
+        idle = len(args) > 2 and args[2] == "idle"
+        if os.environ.get("BLINK_TEST_SPIN_S"):
+            srv.ex._spin_s = float(os.environ["BLINK_TEST_SPIN_S"])
         res = []
-        for chunks in (1, 4, 16, 64, 256):
+        for chunks in counts:
             count = 64 * 1024 * n  # 256 KiB float32 per rank
             ntrees = 2 * n
             srv.chunk_bytes = max(4, (count // ntrees // chunks) * 4)
@@ -181,6 +188,8 @@ def scenario(name: str, rank: int, n: int, srv: GpuServer, args: list[str]) -> d
                 if not gc_on:
                     gc.disable()
                 for _ in range(reps):
+                    if idle:
+                        srv.synchronize()
                     t0, c0 = time.perf_counter(), time.thread_time()
                     srv.allreduce(x, count, "float32", "sum", name=f"h{chunks}")
                     total.append(time.perf_counter() - t0 - srv.ex.last_wait_seconds)

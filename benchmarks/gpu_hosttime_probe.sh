@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Diagnosis of the GPU host time (tests/parallel/gpu_rank.py hosttime) under MPS: spin policy x back-to-back/idle.
+#   run(command="bash benchmarks/gpu_hosttime_probe.sh")
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/blink-mps CUDA_MPS_LOG_DIRECTORY=/tmp/blink-mps-log; mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d; sleep 1
+export PYTHONPATH=$PWD BLINK_GPU_FLAGS=fused
+for cfg in "0.05 back" "0 back" "0.05 idle" "2.0 back"; do set -- $cfg; echo "== spin $1 $2"; BLINK_TEST_SPIN_S=$1 timeout 150 python3 -c "
+import sys,json; sys.path.insert(0,'tests/parallel')
+from test_gpu_collectives import run_ranks
+outs=run_ranks(4,'hosttime','100','16,64,256','$2',timeout=140)
+r=outs[0]
+if 'hosttime' not in r: print(r); sys.exit()
+for row in r['hosttime']: print({k:round(v,1) if isinstance(v,float) else v for k,v in row.items() if 'nogc' not in k})
+"; done 2>&1 | tee $OUT/probe.txt
+echo quit | nvidia-cuda-mps-control
