@@ -3,7 +3,7 @@
 #   run(command="bash benchmarks/gpu_hosttime_probe.sh")
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/blink-mps CUDA_MPS_LOG_DIRECTORY=/tmp/blink-mps-log; mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d; sleep 1
 export PYTHONPATH=$PWD BLINK_GPU_FLAGS=fused
-for cfg in "0.05 back" "0 back" "0.05 idle" "2.0 back"; do set -- $cfg; echo "== spin $1 $2"; BLINK_TEST_SPIN_S=$1 timeout 150 python3 -c "
+for cfg in ${CFGS:-0.05_back_0 0_back_0 0.05_idle_0 2.0_back_0}; do set -- ${cfg//_/ }; echo "== spin $1 $2 bind $3"; BLINK_TEST_BIND=$3 BLINK_TEST_SPIN_S=$1 timeout 150 python3 -c "
 import sys,json; sys.path.insert(0,'tests/parallel')
 from test_gpu_collectives import run_ranks
 outs=run_ranks(4,'hosttime','100','16,64,256','$2',timeout=140)

@@ -169,6 +169,14 @@ def scenario(name: str, rank: int, n: int, srv: GpuServer, args: list[str]) -> d
         reps = int(args[0]) if args else 200
         counts = tuple(int(c) for c in args[1].split(",")) if len(args) > 1 else (1, 4, 16, 64, 256)
         idle = len(args) > 2 and args[2] == "idle"
+        if os.environ.get("BLINK_TEST_BIND") == "1":
+            # Diagnosis: each rank on its own physical core (first hardware thread of the rank-th core).
+            from pathlib import Path
+
+            cores = sorted({Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
+                            for c in os.sched_getaffinity(0)}, key=lambda x: int(x.replace("-", ",").split(",")[0]))
+            first = int(cores[srv.rank % len(cores)].replace("-", ",").split(",")[0])
+            os.sched_setaffinity(0, {first})
         if os.environ.get("BLINK_TEST_SPIN_S"):
             srv.ex._spin_s = float(os.environ["BLINK_TEST_SPIN_S"])
         res = []
