@@ -19,6 +19,7 @@ from blink_horovod.errors import BlinkInternalError
 from blink_horovod.runtime.dtypes import DTYPES, numpy_dtype
 from blink_horovod.runtime.gpu.fused import (
     CMD_WORDS,
+    block_cap,
     blocks_per_group,
     decode,
     encode,
@@ -90,6 +91,8 @@ def test_addresses_must_cover_every_rank():
 
 def test_blocks_per_group_keep_every_rank_resident():
     assert blocks_per_group(3, 2, 132) == 16  # capped
+    assert blocks_per_group(3, 2, 132, block_cap(1 << 30)) == 44  # large programs: more blocks, still resident
+    assert block_cap(4096) == 16 and block_cap(64 << 20) == 64
     assert blocks_per_group(10, 8, 132) == 3  # 240 blocks for 264 slots (two per SM)
     assert blocks_per_group(40, 8, 132) == 1
     for g in range(1, 20):

@@ -470,13 +470,14 @@ class GpuExecutor:
 
     def _fused_graph(self, lw: Lowered, dtype: str, itemsize: int, op: str, residue: int) -> int:
         """The program as one kernel (:mod:`.fused`): encoded once per (lowering, itemsize, buffers)."""
-        from .fused import FusedProgram, blocks_per_group
+        from .fused import FusedProgram, block_cap, blocks_per_group
 
         assert self._seg is not None
         fkey = (id(lw), itemsize, self._gen)
         hit = self._fused.get(fkey)
         if hit is None or hit[0] is not lw:
-            blocks = blocks_per_group(lw.nstreams, self._ranks_on_device, int(getattr(self.cuda, "sms", 132)))
+            blocks = blocks_per_group(lw.nstreams, self._ranks_on_device, int(getattr(self.cuda, "sms", 132)),
+                                      block_cap(lw.count * itemsize))
             fp = FusedProgram(self.cuda, lw, self._flags, self._data, self._seg.words - META_WORDS, itemsize, blocks,
                               self._aux)
             if hit is not None:

@@ -58,7 +58,7 @@ from .lowering import (
     Lowered,
 )
 
-__all__ = ["ARGS_SLOT", "CMD_WORDS", "META_WORDS", "STRIPE", "THREADS", "DirectLaunch", "FusedProgram", "blocks_per_group", "decode", "encode", "fused_source"]
+__all__ = ["ARGS_SLOT", "CMD_WORDS", "META_WORDS", "STRIPE", "THREADS", "DirectLaunch", "FusedProgram", "block_cap", "blocks_per_group", "decode", "encode", "fused_source"]
 
 THREADS = 256  # threads per block
 STRIPE = 16384  # bytes of the buffer per stripe (a multiple of 16 and of every itemsize)
@@ -146,9 +146,22 @@ def decode(table: np.ndarray) -> list[list[tuple]]:
     return out
 
 
-def blocks_per_group(ngroups: int, ranks_on_device: int, sms: int, cap: int = 16) -> int:
+# Blocks per group: few where latency rules (a group barrier's cost grows with its blocks), more where
+# bandwidth does.  Measured on the H200, 2 ranks under MPS (benchmarks/results/h200-2026-12-02-s12, call6/7):
+# cap 16 -> 64 raised busbw at 1 GB from 87.6 to 139.5 GB/s (64 MB: 61 -> 75) and doubled the latency of
+# 8 B .. 32 KiB (~250 -> ~450-600 us); at 4 ranks residency bounds B below 16 anyway.
+SMALL_CAP, LARGE_CAP = 16, 64
+LARGE_BYTES = 16 << 20  # a program over this many bytes per rank takes LARGE_CAP
+
+
+def blocks_per_group(ngroups: int, ranks_on_device: int, sms: int, cap: int = SMALL_CAP) -> int:
     """Blocks per group ``B``: every rank's groups on one device resident together, two blocks per SM."""
     return max(1, min(cap, (2 * sms) // max(1, ngroups * ranks_on_device)))
+
+
+def block_cap(nbytes: int) -> int:
+    """The cap on blocks per group for a program over ``nbytes`` per rank (see ``LARGE_BYTES``)."""
+    return LARGE_CAP if nbytes >= LARGE_BYTES else SMALL_CAP
 
 
 def fused_name(dtype: str, op: str) -> str:
