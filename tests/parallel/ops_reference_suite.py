@@ -100,6 +100,14 @@ def run_job(args, ids: list[str], env: dict, outdir: Path) -> tuple[dict[str, st
     return verdicts, crashed
 
 
+def _keep(args, outdir: Path) -> None:
+    """With ``--keep-logs``, keep a job's per-rank stdout/stderr (they explain a FAILED or CRASH verdict)."""
+    if args.keep_logs and outdir.exists():
+        dest = Path(args.keep_logs) / outdir.name
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(outdir, dest)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--suite", required=True, help="path of Horovod's test_torch.py (a local copy)")
@@ -122,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="one horovodrun job per test (a failing test cannot leave the next one hanging; "
                          "each job is limited to --test-timeout + 120 s)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--keep-logs", default="",
+                    help="copy every job's per-rank output (horovodrun's --output-filename folders) here")
     args = ap.parse_args(argv)
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
@@ -145,11 +155,13 @@ def main(argv: list[str] | None = None) -> int:
             tid = remaining.pop(0)
             jobs += 1
             verdicts, _ = run_job(args, [tid], env, Path(tmp) / f"job{jobs}")
+            _keep(args, Path(tmp) / f"job{jobs}")
             results[tid] = verdicts.get(tid, "CRASH")
             print(f"[ref] {results[tid]:8s} {tid}", file=sys.stderr, flush=True)
         while remaining:
             jobs += 1
             verdicts, crashed = run_job(args, remaining, env, Path(tmp) / f"job{jobs}")
+            _keep(args, Path(tmp) / f"job{jobs}")
             results.update(verdicts)
             done = [t for t in remaining if t in verdicts]
             left = [t for t in remaining if t not in verdicts]
