@@ -7,6 +7,7 @@ export PYTHONPATH=$PWD OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 MPI=(mpirun --oversubscribe --bind-to none -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x BLINK_TIMEOUT_SECONDS)
 for cap in ${CAPS:-16 64 128}; do
   sed -i "s/^def blocks_per_group(ngroups: int, ranks_on_device: int, sms: int, cap: int = [0-9]*)/def blocks_per_group(ngroups: int, ranks_on_device: int, sms: int, cap: int = $cap)/" blink_horovod/runtime/gpu/fused.py
+  [ -n "${FACTOR:-}" ] && sed -i "s/(2 \* sms) \/\/ max(1, ngroups/($FACTOR * sms) \/\/ max(1, ngroups/" blink_horovod/runtime/gpu/fused.py
   for np in ${NPS:-2 4}; do
     echo "== cap $cap np $np"
     timeout 120 "${MPI[@]}" -np $np python3 benchmarks/gpu_perf.py -c 1 -w 2 --flag-ops fused --topology dgx1v \
