@@ -13,7 +13,10 @@ then runs it:
 - ``broadcast``: the two-stage broadcast;
 - ``stock``: an operation Blink does not carry (allgather, alltoall,
   Adasum, ...), submitted to stock Horovod at its place in the order;
-- ``barrier``: the round itself is the barrier;
+- ``barrier``: the round that decides it, then a barrier stage
+  (:meth:`.hierarchical.Hierarchy.barrier`), as Horovod negotiates a barrier
+  and then runs its BarrierOp, so that no rank leaves before every rank has
+  seen the round;
 - ``join``: the rank keeps taking part in rounds, contributing the reduction's
   identity, until every rank has joined (Horovod's ``hvd.join``).
 
@@ -404,6 +407,8 @@ class Engine:
             elif kind == "stock":
                 self._run_stock(works)
                 return
+            elif kind == "barrier":
+                self.hierarchy.barrier(f"blink.{self._round}.barrier")
         except BaseException as exc:
             self._fail(works, exc)
             raise
@@ -457,7 +462,10 @@ class Engine:
             w.handle._set()
 
     def _serve_joined(self, head) -> None:
-        """A joined rank's part in a collective the others run: the reduction's identity."""
+        """A joined rank's part in a collective the others run: the reduction's identity (or the barrier stage)."""
+        if head is not None and head.kind == "barrier":
+            self.hierarchy.barrier(f"blink.{self._round}.barrier")
+            return
         if head is None or head.kind != "allreduce":
             return
         op = _base_op(head.op)

@@ -42,6 +42,7 @@ class IntraCommunicator(Protocol):
     def broadcast(self, arr: np.ndarray, root: int) -> None: ...
     def reduce_to_roots(self, arr: np.ndarray, op: str) -> tuple[int, int]: ...
     def broadcast_from_roots(self, arr: np.ndarray) -> None: ...
+    def barrier(self) -> None: ...
 
 
 class CrossTransport(Protocol):
@@ -90,6 +91,25 @@ class Hierarchy:
         if end > start:
             self.cross.allreduce(flat[start:end], op, self.layout.cross_ranks(), f"{tag}.x")
         self.intra.broadcast_from_roots(flat)
+
+    def barrier(self, tag: str) -> None:
+        """The data stage of ``hvd.barrier``: no rank leaves before every rank has finished the round.
+
+        The engine's round that decides a barrier already tells every rank
+        that every rank has arrived, but the last rank to arrive learns it at
+        once while each peer learns it only when it is next scheduled.  This
+        stage -- as Horovod runs its BarrierOp (a Gloo / MPI barrier) after
+        the coordinator's response -- holds every rank until every rank has
+        seen that round: the server's ranks meet in the shared metadata
+        slots, then each local rank meets the same local rank of the other
+        servers (so every rank of every server has met).  A peer that wakes
+        late from the round now holds the others back, instead of them
+        running ahead of it out of the barrier.
+        """
+        if self.intra is not None:
+            self.intra.barrier()
+        if self.cross is not None:
+            self.cross.allgather_rows(np.zeros(1, np.int64), self.layout.cross_ranks(), f"{tag}.x")
 
     def broadcast(self, flat: np.ndarray, root: int, tag: str) -> None:
         """Broadcast ``flat`` from global rank ``root`` to every rank of the job, in place."""
