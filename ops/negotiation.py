@@ -221,6 +221,14 @@ def decide_server(proposals: Sequence[Proposal]) -> ServerView:
                 mismatch = (e.name, "")  # the ranks send their full metadata next round
             continue
         ready.append(e)
+    # Names the lowest rank has not submitted are waited for too: the stall warning and the timeout then name
+    # the ranks missing them (ranks of one server that submitted under different names).
+    seen = {e.name for e in active[0].entries}
+    for p in active[1:]:
+        for e in p.entries:
+            if e.name not in seen:
+                seen.add(e.name)
+                waiting.append((e.name, tuple(q.rank for q, m in zip(active, by_rank) if e.name not in m)))
     return ServerView(len(active), len(joined), tuple(ready[:MAX_ENTRIES]), mismatch, jr, jrank, joined_ranks,
                       tuple(waiting))
 

@@ -136,6 +136,8 @@ def test_ready_everywhere_in_first_ranks_order_and_fused() -> None:
 def test_nothing_ready_means_wait() -> None:
     d = decide_global(decide_server([prop(0, ("a", meta())), prop(1, ("b", meta()))]), None, 0, 1 << 20)
     assert d.action == "wait"
+    # Each name's missing ranks are known, also for the name the lowest rank lacks (stall warnings name them).
+    assert dict(d.waiting) == {"a": (1,), "b": (0,)}
 
 
 def test_mismatch_needs_a_metadata_round_then_names_ranks_and_field() -> None:
