@@ -53,14 +53,13 @@ different plans agree on the ranges of the cross-server stage.
 
 from __future__ import annotations
 
-import bisect
 import math
 import operator
 from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import ScheduleError
+from ..errors import BlinkInternalError, ScheduleError
 from ..planner.plan import CHANNELS, Plan, Tree
 from .program import DONE_FLAG, PROGRAM_KINDS, START_FLAG, Op, Program, make_op
 
@@ -245,14 +244,13 @@ def _pace(recs: list[list], pace: int, streams: int = 1) -> None:
         if len(trees) < 2:
             continue
         steps = {t: np.fromiter((rec[0] for rec in rs), np.int64, len(rs)) for t, rs in trees.items()}
-        if all(bool(np.all(st[1:] >= st[:-1])) for st in steps.values()):
-            _pace_sorted(trees, steps, pace, streams)
-        else:  # pragma: no cover - the compiler generates every tree's transfers over a link in step order
-            _pace_any(trees, pace, streams)
+        if not all(bool(np.all(st[1:] >= st[:-1])) for st in steps.values()):  # pragma: no cover
+            raise BlinkInternalError("pacing: a tree's transfers over a link are not generated in step order")
+        _pace_sorted(trees, steps, pace, streams)
 
 
 def _pace_sorted(trees: dict[int, list[list]], steps: dict[int, np.ndarray], pace: int, streams: int) -> None:
-    """:func:`_pace` for transfers in ascending step order (vectorised; the same edges as :func:`_pace_any`).
+    """:func:`_pace` for transfers in ascending step order (the compiler generates them so), vectorised.
 
     Ascending steps make ``k`` (u's latest transfer at or before ``s - pace``)
     non-decreasing along t's transfers, so "k beyond the last edge of this
@@ -290,26 +288,6 @@ def _pace_sorted(trees: dict[int, list[list]], steps: dict[int, np.ndarray], pac
         for j, p in enumerate(firsts.tolist()):
             rec = rs[p]
             rec[11] = (*rec[11], *seq_list[bounds[j]:bounds[j + 1]])
-
-
-def _pace_any(trees: dict[int, list[list]], pace: int, streams: int) -> None:
-    """:func:`_pace` for transfers in any order (one bisection per transfer and other tree)."""
-    steps = {t: [rec[0] for rec in rs] for t, rs in trees.items()}
-    for t, rs in trees.items():
-        seen = {(u, j): -1 for u in trees for j in range(streams)}
-        for rec in rs:
-            limit = rec[0] - pace
-            lane = rec[8] % streams
-            extra = []
-            for u, urs in trees.items():
-                if u == t:
-                    continue
-                k = bisect.bisect_right(steps[u], limit) - 1
-                if k > seen[u, lane]:
-                    seen[u, lane] = k
-                    extra.append(urs[k][1])
-            if extra:
-                rec[11] = (*rec[11], *extra)
 
 
 class _Rank:

@@ -165,6 +165,15 @@ def _first_bad(rows: list[tuple[int, ...]], ok: range) -> tuple[int, int]:
     raise AssertionError("no bad value")  # pragma: no cover - callers checked there is one
 
 
+def _checked_capacity(capacity: Sequence[float]) -> list[float]:
+    """Capacities as floats; each must be > 0."""
+    cap = [float(c) for c in capacity]
+    for r, c in enumerate(cap):
+        if not c > 0:
+            raise ScheduleError(f"resource {r}: capacity must be > 0, got {c!r}")
+    return cap
+
+
 def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
@@ -178,9 +187,7 @@ def _run_native(lib: ctypes.CDLL, graph: TaskGraph, capacity: Sequence[float], t
     if res_flat.size and (res_flat.min() < 0 or res_flat.max() >= ncap):
         i, r = _first_bad(graph.resources, range(ncap))
         raise ScheduleError(f"task {graph.tags[i]!r}: unknown resource id {r}")
-    for r, c in enumerate(capacity):
-        if not float(c) > 0:
-            raise ScheduleError(f"resource {r}: capacity must be > 0, got {float(c)!r}")
+    _checked_capacity(capacity)
     # A flow listing one resource twice counts once in the Python loop (a set) and twice here: rare, so
     # such graphs take the Python loop.
     if any(len(set(rs)) != len(rs) for rs in graph.resources if len(rs) > 1):
@@ -248,10 +255,7 @@ def _run_python(graph: TaskGraph, capacity: Sequence[float], t0: float) -> Engin
         for r in rs:
             if not 0 <= r < len(capacity):
                 raise ScheduleError(f"task {graph.tags[i]!r}: unknown resource id {r}")
-    cap = [float(c) for c in capacity]
-    for r, c in enumerate(cap):
-        if not c > 0:
-            raise ScheduleError(f"resource {r}: capacity must be > 0, got {c!r}")
+    cap = _checked_capacity(capacity)
 
     npred = [0] * n
     succ: list[list[int]] = [[] for _ in range(n)]

@@ -221,8 +221,7 @@ def program_task_graph(
                     raise ScheduleError(f"rank {r} op {i}: negative count {op.count}")
                 g_bytes.append(float(nb))
                 g_res.append(route)
-                flag = op.flag
-                g_waits.append((sig_base[peer] + flag,) if 0 <= flag < nflags[peer] else (sig(peer, flag),))
+                g_waits.append((sig(peer, op.flag),))
                 g_raises.append(-1)
             else:
                 raise ScheduleError(f"rank {r} op {i}: unknown op kind {kind!r}")

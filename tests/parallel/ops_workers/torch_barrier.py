@@ -18,23 +18,17 @@ Prints "RANK r OK <stats json>" at the end; any failure raises (non-zero exit).
 """
 
 import json
-import os
 import time
 
 import horovod.torch as hvd
 import torch
-from blink_horovod.ops import torch_ops
+from blink_job import start
 
 SLOW = 1
 DELAY = 1.0
 SLEEP = 2.0
 
-hvd.init()
-r, n = hvd.rank(), hvd.size()
-ctx = torch_ops.context()
-assert ctx is not None, torch_ops.disabled_reason()
-servers = int(os.environ.get("EXPECT_SERVERS", "1"))
-assert ctx.layout.num_servers == servers, (ctx.layout, servers)
+r, n, ctx = start(1)
 
 seen: list[float] = []  # when rank SLOW got round to a barrier's round
 if r == SLOW:

@@ -7,20 +7,15 @@ Prints "RANK r OK <stats json>" at the end; any failure raises (non-zero exit).
 import json
 import os
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-
-import horovod.torch as hvd
+from blink_horovod.ops import torch_ops
+from blink_job import start
 
 import blink_horovod
-from blink_horovod.ops import torch_ops
 
-hvd.init()
-r, n = hvd.rank(), hvd.size()
-ctx = torch_ops.context()
-assert ctx is not None, torch_ops.disabled_reason()
-servers = int(os.environ.get("EXPECT_SERVERS", "2"))
-assert ctx.layout.num_servers == servers, (ctx.layout, servers)
+r, n, ctx = start(2)
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64]
 
