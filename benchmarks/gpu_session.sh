@@ -130,6 +130,15 @@ for nr in 2 4 8; do
 done
 step fused-tests 300 env BLINK_GPU_FLAGS=fused $PY -m pytest -v -p no:cacheprovider -rs -s \
     tests/parallel/test_gpu_collectives.py ${TESTS_K:+-k "$TESTS_K"}
+# Persistent launches (BLINK_GPU_LAUNCH=persistent): host time, bandwidth and #wrong, and the GPU tests.
+for nr in 2 4 8; do
+    step host-n$nr-persistent 60 "${MPI[@]}" -np $nr $PY "${PERF[@]}" "${FUSED[@]}" --fused-launch persistent -e 64M \
+        -n 40 --chunk-counts 1,2,4,8,16,32,64,128,256 --dtype float32 --json "$R/host-n$nr-persistent.json" --time-limit 45
+    step persist-n$nr 130 "${MPI[@]}" -np $nr $PY "${PERF[@]}" "${FUSED[@]}" --fused-launch persistent -b 4 -e 1G -f 4 \
+        -n 10 --dtype "${DTYPES:-all}" --json "$R/persist-n$nr.json" --time-limit 110
+done
+step persist-tests 300 env BLINK_GPU_FLAGS=fused BLINK_GPU_LAUNCH=persistent $PY -m pytest -v -p no:cacheprovider -rs -s \
+    tests/parallel/test_gpu_collectives.py ${TESTS_K:+-k "$TESTS_K"}
 step threads-fused 45 $PY "${PERF[@]}" --threads 2 --flag-ops fused --topology dgx1v -b 4 -e 64M -f 8 -n 10 \
     --dtype float32 --json "$R/threads-fused.json" --time-limit 30
 echo "done at $(($(date +%s) - START))s" >>"$R/summary.txt"

@@ -58,9 +58,14 @@ BLINK_FAULT = "BLINK_FAULT"
 BLINK_GPU_FLAGS = "BLINK_GPU_FLAGS"
 GPU_FLAG_MODES = ("auto", "kernel", "memop", "fused")
 # How a fused program (BLINK_GPU_FLAGS=fused) is launched: "graph" (a one-node CUDA graph, replayed) or
-# "kernel" (cuLaunchKernel with a parameter array built once).  Both are one driver call per collective.
+# "kernel" (cuLaunchKernel with a parameter array built once), both one driver call per collective and
+# ordered on the caller's stream; or "persistent": the kernel is launched once per run of collectives of
+# one program and each collective is rung by a store to mapped host memory, no CUDA call.  Persistent
+# collectives are ordered by the host, not the stream: each starts after the work queued on the caller's
+# stream is done (the host checks, and waits if not), and its result is the caller's after
+# synchronize() (docs/gpu-runtime.md, "Persistent launch").
 BLINK_GPU_LAUNCH = "BLINK_GPU_LAUNCH"
-GPU_LAUNCH_MODES = ("graph", "kernel")
+GPU_LAUNCH_MODES = ("graph", "kernel", "persistent")
 
 ALL_VARIABLES = (
     BLINK_ENABLE,

@@ -11,6 +11,8 @@ collective kind with staging runs, and the source is checked to define every
 from __future__ import annotations
 
 import random
+import shutil
+import subprocess
 
 import pytest
 from test_gpu_lowering import random_plan
@@ -25,6 +27,7 @@ from blink_horovod.runtime.gpu.fused import (
     encode,
     fused_name,
     fused_source,
+    persistent_name,
 )
 from blink_horovod.runtime.gpu.kernels import KERNEL_OPS
 from blink_horovod.runtime.gpu.lowering import (
@@ -106,5 +109,18 @@ def test_source_defines_every_kernel():
         src = fused_source(dtype)
         for op in KERNEL_OPS:
             assert src.count(f"void __launch_bounds__(THREADS) {fused_name(dtype, op)}(") == 1
+            assert src.count(f"void __launch_bounds__(THREADS) {persistent_name(dtype, op)}(") == 1
         assert src.count("blink_copy_bytes(char* dst") == 1
     assert fused_name("float16", "average") == "blink_fused_sum_float16"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int64"])
+def test_fused_modules_compile_for_sm90_without_warnings(tmp_path, dtype: str) -> None:
+    # Both kernels of every op (one launch per collective, and persistent) from the source NVRTC gets.
+    src = tmp_path / f"{dtype}.cu"
+    src.write_text(fused_source(dtype))
+    proc = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "m.cubin"), str(src)],
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr.lower(), proc.stderr

@@ -222,6 +222,18 @@ class Cuda:
             return False
         raise BlinkInternalError(f"CUDA event query failed with error {status} (a kernel or copy faulted)")
 
+    def stream_done(self, stream: int) -> bool:
+        """Whether all work queued on ``stream`` has finished (``cudaStreamQuery``: no wait, no queued work)."""
+        try:
+            status = int(self.rt.streamQuery(stream))
+        except self.rt.CUDARuntimeError as exc:
+            status = int(exc.status)
+        if status == 0:
+            return True
+        if status == self.NOT_READY:
+            return False
+        raise BlinkInternalError(f"CUDA stream query failed with error {status} (a kernel or copy faulted)")
+
     def elapsed_ms(self, start: int, end: int) -> float:
         return float(self.rt.eventElapsedTime(start, end))
 
@@ -309,6 +321,8 @@ class SameProcessCuda(Cuda):
     memory operations, kernels) is the real device's, in the process's one context, where peers'
     streams run concurrently instead of being time-sliced as separate processes' contexts are.
     """
+
+    shares_context = True  # every rank's kernels in one context (no persistent launches: executor)
 
     def ipc_handle(self, ptr: int) -> bytes:
         return int(ptr).to_bytes(8, "little")

@@ -48,7 +48,7 @@ from ..dtypes import check_op, numpy_dtype
 from ..executor import Piece
 from ..transport import STATE_CLOSED, W_STATE, Transport, WaitContext
 from .device import device_pointer
-from .fused import ARGS_SLOT, META_WORDS
+from .fused import ARGS_SLOT, META_WORDS, STOP_BIT
 from .lowering import DONE_WORD, RESIDUES, Lowered, epoch_value, lower, plain_runs
 
 __all__ = ["GPU_MAX_PIECE_BYTES", "GpuExecutor"]
@@ -60,6 +60,7 @@ _INITIAL_BYTES = 1 << 20
 _INITIAL_WORDS = 4096
 _PAGE = 4096
 _SENT = 16  # launches whose metadata payload is kept for a device-found mismatch
+_BELLS = 256  # bell words of persistent launches (a ring: one word per launch)
 
 
 class _Segment:
@@ -175,6 +176,18 @@ class GpuExecutor:
         self._last_event: int | None = None
         self._last_stream: int | None = None
         self._aux = c.stream()
+        # Persistent launches (BLINK_GPU_LAUNCH=persistent, fused programs): one kernel runs every collective
+        # of a program, each rung by a store to its bell word (mapped host memory, a ring of one word per
+        # launch); `_running` is (launch, bell index) of the kernel now running.
+        self._persistent = self._fused_mode and fused_launch == "persistent"
+        if self._persistent and getattr(c, "shares_context", False):
+            raise ConfigError("BLINK_GPU_LAUNCH=persistent: needs one process per rank (virtual ranks share one "
+                              "CUDA context, where a device-wide wait would wait for the peers' running kernels)")
+        self._bells_host, self._bells_view = c.host_alloc(8 * _BELLS) if self._persistent else (0, None)
+        self._bell_first = [0] * _BELLS
+        self._launches = 0
+        self._running: tuple[Any, int] | None = None
+        self._pstream: Any = None
 
     # -- the collective -------------------------------------------------------------
     def collective(self, label: str, checked: Mapping[str, Any], extras: Mapping[str, Any], arr: Any, dtype: str,
@@ -484,6 +497,9 @@ class GpuExecutor:
                 hit[1].free()
             hit = self._fused[fkey] = (lw, fp)
         mod = self.preload(dtype)
+        if self._persistent:  # one object for the three residues: the kernel picks the slot by epoch
+            return hit[1].persistent(self._args_host, dtype, op, mod, err=self._err_host,
+                                     meta_word=self._seg.words - META_WORDS)
         if self.fused_launch == "kernel":
             return hit[1].direct(residue, self._args_host + ARGS_SLOT * residue, dtype, op, mod,
                                  err=self._err_host, meta_word=self._seg.words - META_WORDS)
@@ -510,7 +526,7 @@ class GpuExecutor:
         waits for the last epoch (a rank's programs must run one after the other)."""
         done = self._err_view
         need = self.epoch - RESIDUES
-        if self._last_stream is not None and stream != self._last_stream:
+        if self._last_stream is not None and stream != self._last_stream and not self._persistent:
             need = self.epoch - 1
         if int(done[1]) < need:
             w0 = time.perf_counter()
@@ -523,9 +539,55 @@ class GpuExecutor:
         view[slot + 2] = self.epoch
         self._sent[self.epoch % _SENT] = (self.epoch, self._memo[2] if self._memo is not None else b"")
         a0 = time.perf_counter()
+        if self._persistent:
+            self._ring(exe, stream, ctx)
+            self.last_api_seconds = time.perf_counter() - a0
+            return
         self.cuda.launch(exe, stream)
         self.last_api_seconds = time.perf_counter() - a0
         self._last_stream = stream
+
+    def _ring(self, exe: Any, stream: int, ctx: WaitContext) -> None:
+        """A persistent launch: this epoch runs once the work queued on ``stream`` is done (host-ordered:
+        one stream query, a wait only if it is not) and the bell word holds it; the kernel runs epochs in
+        order, so a collective on another stream needs no wait for the last one.  A new program first
+        stops the running kernel (it exits after the epochs rung on it) and starts its own behind it."""
+        c = self.cuda
+        if not c.stream_done(stream):
+            w0 = time.perf_counter()
+            self._wait_until(lambda: c.stream_done(stream), ctx, "the work queued before it on the caller's stream")
+            self._waited += time.perf_counter() - w0
+        run = self._running
+        if run is None or run[0] is not exe:
+            run = self._start_persistent(exe, ctx)
+        self._bells_view[run[1]] = self.epoch
+
+    def _start_persistent(self, exe: Any, ctx: WaitContext) -> tuple[Any, int]:
+        self._stop_persistent()
+        k = self._launches
+        slot = k % _BELLS
+        old = self._bell_first[slot]
+        done = self._err_view
+        if k >= _BELLS and int(done[2]) < old:  # the launch that had this word has not left yet (rare)
+            w0 = time.perf_counter()
+            self._wait_until(lambda: int(done[2]) >= old, ctx, "an earlier persistent launch to exit")
+            self._waited += time.perf_counter() - w0
+        self._bells_view[slot] = 0
+        if self._pstream is None:
+            self._pstream = self.cuda.stream()
+        exe.start(self._pstream.ptr, self._bells_host + 8 * slot, self.epoch)
+        self._bell_first[slot] = self.epoch
+        self._launches = k + 1
+        self._running = (exe, slot)
+        self._last_stream = self._pstream.ptr
+        return self._running
+
+    def _stop_persistent(self) -> None:
+        """Tell the running persistent kernel to exit once the epochs rung on it are done."""
+        run = self._running
+        if run is not None:
+            self._running = None
+            self._bells_view[run[1]] = int(self._bells_view[run[1]]) | STOP_BIT
 
     def _launch(self, exe: int, residue: int, user: int, stream: int, ctx: WaitContext) -> None:
         """Host work of one piece: O(1) calls, whatever the program."""
@@ -612,6 +674,8 @@ class GpuExecutor:
 
     # -- waiting ----------------------------------------------------------------------------
     def _drain(self, ctx: WaitContext) -> None:
+        if self._persistent:
+            self._stop_persistent()  # the event below completes when the kernel has exited
         if self._fused_mode and self._last_stream is not None:
             # The kernels themselves must have exited (memory is freed after this): an event, once.
             self.cuda.record(self._slot_event[0], self._last_stream)
@@ -675,7 +739,9 @@ class GpuExecutor:
 
     def _unblock(self) -> None:
         """Best effort after a failure: all-ones in every flag word this rank maps (own and peers'),
-        so that graphs waiting on them run to the end instead of hanging."""
+        so that graphs waiting on them run to the end instead of hanging (and a persistent kernel exits)."""
+        if self._persistent:
+            self._stop_persistent()
         try:
             for q in range(self.nranks):
                 if self._flags[q]:
@@ -714,6 +780,8 @@ class GpuExecutor:
                 self.cuda.free_host(self._args_host)
                 self.cuda.free_host(self._err_host)
                 self.cuda.free_host(self._probe_host)
+                if self._bells_host:
+                    self.cuda.free_host(self._bells_host)
             else:
                 log.warning("rank %d: device still busy; CUDA memory is left to process exit", self.rank)
         finally:
@@ -752,6 +820,12 @@ class GpuExecutor:
             if time.monotonic() >= ctx.deadline:
                 raise BlinkTimeoutError(f"close: ranks {pending} did not finish epoch {self.epoch}")
             time.sleep(1e-3)
+
+    @property
+    def host_ordered(self) -> bool:
+        """Collectives start after the caller's stream is done and end at :meth:`synchronize`
+        (``BLINK_GPU_LAUNCH=persistent``), not in the caller's stream order."""
+        return self._persistent
 
     @property
     def device(self) -> int:

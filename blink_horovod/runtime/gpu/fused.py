@@ -58,7 +58,8 @@ from .lowering import (
     Lowered,
 )
 
-__all__ = ["ARGS_SLOT", "CMD_WORDS", "META_WORDS", "STRIPE", "THREADS", "DirectLaunch", "FusedProgram", "block_cap", "blocks_per_group", "decode", "encode", "fused_source"]
+__all__ = ["ARGS_SLOT", "CMD_WORDS", "META_WORDS", "STOP_BIT", "STRIPE", "THREADS", "DirectLaunch", "FusedProgram",
+           "PersistentLaunch", "block_cap", "blocks_per_group", "decode", "encode", "fused_source", "persistent_name"]
 
 THREADS = 256  # threads per block
 STRIPE = 16384  # bytes of the buffer per stripe (a multiple of 16 and of every itemsize)
@@ -68,6 +69,7 @@ META_WORDS = 8  # flag words at the top of a rank's flag array: META, spare, 3 f
 _CODE = {WAIT: 1, WRITE: 2, RESET: 3, COPY: 4, REDUCE: 5, STAGE_IN: 6, STAGE_OUT: 7, RECORD: 8, JOIN: 9}
 _KIND = {v: k for k, v in _CODE.items()}
 _ACCEPT_BIAS = 4  # accept offset d is bit d + 4 (d in -4..4)
+STOP_BIT = 1 << 63  # in a persistent launch's bell word: exit once every epoch rung is done
 
 
 def encode(lw: Lowered, flags: Sequence[int], data: Sequence[int], flag_words: int, itemsize: int) -> np.ndarray:
@@ -169,6 +171,11 @@ def fused_name(dtype: str, op: str) -> str:
     return kernel_name("reduce", dtype, op).replace("blink_reduce_", "blink_fused_")
 
 
+def persistent_name(dtype: str, op: str) -> str:
+    """``blink_persist_sum_float32``: the persistent variant of :func:`fused_name`'s kernel."""
+    return fused_name(dtype, op).replace("blink_fused_", "blink_persist_")
+
+
 _KERNEL = r"""
 __device__ __forceinline__ unsigned int blink_mask(int e, long long bits) {
     unsigned int m = 0u;
@@ -203,7 +210,8 @@ __device__ __forceinline__ void blink_copy_bytes(char* dst, const char* src, lon
     for (; i < m; i += nt) d[i] = __ldcg(s + i);
     if (tail) blink_copy_elems(dst + head + (m << 4), src + head + (m << 4), tail, t, nt);
 }
-extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
+/* One epoch of the program (``e``: its residue + 3; ``args``: its argument slot): the body of both kernels. */
+__device__ __forceinline__ void BODY_NAME(
         const long long* __restrict__ T, blink_u64 args, blink_u64 sync, int e, int B, int rank, int average_n,
         blink_u64 err, int meta_word) {
     const int g = blockIdx.x / B, j = blockIdx.x % B, t = threadIdx.x, nt = blockDim.x;
@@ -366,6 +374,58 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
         ((volatile blink_u64*)err)[1] = s_args[2];
     }
 }
+/* One launch per collective (graph or cuLaunchKernel). */
+extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
+        const long long* __restrict__ T, blink_u64 args, blink_u64 sync, int e, int B, int rank, int average_n,
+        blink_u64 err, int meta_word) {
+    BODY_NAME(T, args, sync, e, B, rank, average_n, err, meta_word);
+}
+/* Persistent (BLINK_GPU_LAUNCH=persistent): one launch runs every epoch from ``first`` on, each when the host
+   rings ``bell`` (a word of mapped host memory: the newest epoch rung; bit 63: stop once it is done), so a
+   collective costs the host a store, no CUDA call.  Only block 0 reads the host word; it forwards it to
+   ``dev`` (device memory: [0] newest epoch rung, [1] the ``first`` of the launch told to exit), where the
+   other blocks poll without crossing PCIe.  ``args`` is slot 0 (epoch x uses slot x % 3).  On exit block 0
+   posts ``first`` in err[2]: the host may then reuse this launch's bell word. */
+extern "C" __global__ void __launch_bounds__(THREADS) PERSIST_NAME(
+        const long long* __restrict__ T, blink_u64 args, blink_u64 sync, int B, int rank, int average_n,
+        blink_u64 err, int meta_word, blink_u64 bell, blink_u64 dev, long long first) {
+    volatile long long* d = (volatile long long*)dev;
+    __shared__ int s_go;
+    long long last = first - 1;
+    for (;;) {
+        if (threadIdx.x == 0) {
+            unsigned int ns = 32u;
+            for (;;) {
+                if (blockIdx.x == 0) {
+                    const unsigned long long b = *(volatile unsigned long long*)bell;
+                    const long long target = (long long)(b & 0x7fffffffffffffffull);
+                    if (target > d[0]) { d[0] = target; __threadfence(); }
+                    if ((b >> 63) != 0ull && target <= last) {
+                        d[1] = first;
+                        __threadfence();
+                        ((volatile blink_u64*)err)[2] = (blink_u64)first;
+                        __threadfence_system();
+                        s_go = 0;
+                        break;
+                    }
+                }
+                /* exit word first: an epoch rung before the exit (fenced before it) is still run */
+                const long long x = d[1];
+                __threadfence();
+                if (d[0] > last) { s_go = 1; break; }
+                if (x == first) { s_go = 0; break; }
+                __nanosleep(ns);
+                if (ns < 1024u) ns <<= 1;
+            }
+        }
+        __syncthreads();
+        if (!s_go) return;
+        ++last;
+        BODY_NAME(T, args + (blink_u64)(ARGS_SLOT * (last % 3)), sync, (int)(last % 3) + 3, B, rank, average_n,
+                  err, meta_word);
+        __syncthreads();
+    }
+}
 """
 
 
@@ -373,12 +433,16 @@ def fused_source(dtype: str) -> str:
     """One CUDA module for ``dtype``: the program interpreter kernel per op (sum, min, max, product)."""
     from .kernels import KERNEL_OPS
 
-    src = [element_source(dtype),
-           f"#define THREADS {THREADS}\n#define STRIPE {STRIPE}ll\n#define CMD_WORDS {CMD_WORDS}\n"]
-    helpers, kernel = _KERNEL[:_KERNEL.index('extern "C"')], _KERNEL[_KERNEL.index('extern "C"'):]
+    defines = {"THREADS": THREADS, "STRIPE": f"{STRIPE}ll", "CMD_WORDS": CMD_WORDS, "ARGS_SLOT": f"{ARGS_SLOT}ll"}
+    src = [element_source(dtype), "".join(f"#define {k} {v}\n" for k, v in defines.items())]
+    cut = _KERNEL.index("/* One epoch of the program")
+    helpers, kernel = _KERNEL[:cut], _KERNEL[cut:]
     src.append(helpers)
     for op in KERNEL_OPS:
-        src.append(kernel.replace("KERNEL_NAME", fused_name(dtype, op)).replace("BLINK_OP", f"blink_op_{op}"))
+        name = fused_name(dtype, op)
+        src.append(kernel.replace("KERNEL_NAME", name).replace("PERSIST_NAME", persistent_name(dtype, op))
+                   .replace("BODY_NAME", name.replace("blink_fused_", "blink_epoch_"))
+                   .replace("BLINK_OP", f"blink_op_{op}"))
     return "\n".join(src)
 
 
@@ -392,10 +456,14 @@ class FusedProgram:
         table = encode(lw, flags, data, flag_words, itemsize)
         self.ngroups = lw.nstreams
         self.blocks = blocks
-        self.sync_bytes = 4 * (2 * self.ngroups + max(1, lw.nevents))
+        # barrier and event words, then (8-aligned) the two words a persistent launch's blocks poll
+        words = 2 * self.ngroups + max(1, lw.nevents)
+        self.sync_bytes = 4 * (words + words % 2) + 16
         nbytes = 8 * len(table)
         self.ptr = cuda.malloc(nbytes + self.sync_bytes)
         self.sync = self.ptr + nbytes
+        self.dev_bell = self.sync + self.sync_bytes - 16
+        self._persistent: dict[tuple[str, str], PersistentLaunch] = {}
         # On a private non-blocking stream: a copy on the legacy default stream would wait for this
         # context's running programs, which (virtual ranks in one process) may wait for this rank.
         cuda.copy_async(self.ptr, table.ctypes.data, nbytes, stream.ptr, kind="h2d")
@@ -442,6 +510,19 @@ class FusedProgram:
                             ("i32", self.blocks), ("i32", self.lw.rank), ("i32", average_n), ("u64", err),
                             ("i32", meta_word))
 
+    def persistent(self, args_host: int, dtype: str, op: str, module: Any, err: int, meta_word: int) -> PersistentLaunch:
+        """The persistent kernel of this program for (dtype, op) (``args_host``: argument slot 0)."""
+        hit = self._persistent.get((dtype, op))
+        if hit is None:
+            fn = module.get_function(persistent_name(dtype, op))
+            average_n = self.lw.nranks if op == "average" else 0
+            hit = self._persistent[(dtype, op)] = PersistentLaunch(
+                fn, self.ngroups * self.blocks, THREADS,
+                ("u64", self.ptr), ("u64", args_host), ("u64", self.sync), ("i32", self.blocks),
+                ("i32", self.lw.rank), ("i32", average_n), ("u64", err), ("i32", meta_word),
+                ("u64", 0), ("u64", self.dev_bell), ("i64", 0))
+        return hit
+
     def free(self) -> None:
         if self.ptr:
             self.cuda.free(self.ptr)
@@ -462,10 +543,22 @@ class DirectLaunch:
         # module.get_function gives a RawKernel; its .kernel is the loaded CUfunction wrapper
         self._fptr = int(getattr(fn, "kernel", fn).ptr)
         self.grid, self.block = int(grid), int(block)
-        kinds = {"u64": ctypes.c_uint64, "i32": ctypes.c_int32}
+        kinds = {"u64": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64}
         self._values = [kinds[k](v) for k, v in params]
         self._array = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
         self._params = ctypes.addressof(self._array)
 
     def go(self, stream: int) -> None:
         self._launch(self._fptr, self.grid, 1, 1, self.block, 1, 1, 0, stream, self._params, 0)
+
+
+class PersistentLaunch(DirectLaunch):
+    """A persistent fused kernel (:data:`_KERNEL`'s ``PERSIST_NAME``): :meth:`start` launches it once for a run
+    of collectives of one program; each collective is then rung by the host with a store to the bell word
+    (``GpuExecutor`` keeps the words), not by a CUDA call.  Its last two parameters, the bell word and the
+    first epoch, are set per start."""
+
+    def start(self, stream: int, bell: int, first: int) -> None:
+        self._values[-3].value = bell
+        self._values[-1].value = first
+        self.go(stream)
