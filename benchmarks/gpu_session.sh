@@ -131,6 +131,8 @@ done
 step fused-tests 300 env BLINK_GPU_FLAGS=fused $PY -m pytest -v -p no:cacheprovider -rs -s \
     tests/parallel/test_gpu_collectives.py ${TESTS_K:+-k "$TESTS_K"}
 # Persistent launches (BLINK_GPU_LAUNCH=persistent): host time, bandwidth and #wrong, and the GPU tests.
+step persist-smoke 60 "${MPI[@]}" -np 2 $PY "${PERF[@]}" "${FUSED[@]}" --fused-launch persistent -b 4 -e 64M -f 8 -n 20 \
+    --dtype float32 --json "$R/persist-smoke.json" --time-limit 40
 for nr in 2 4 8; do
     step host-n$nr-persistent 60 "${MPI[@]}" -np $nr $PY "${PERF[@]}" "${FUSED[@]}" --fused-launch persistent -e 64M \
         -n 40 --chunk-counts 1,2,4,8,16,32,64,128,256 --dtype float32 --json "$R/host-n$nr-persistent.json" --time-limit 45

@@ -30,6 +30,7 @@ __all__ = [
     "BLINK_FAULT",
     "BLINK_GPU_FLAGS",
     "GPU_FLAG_MODES",
+    "BLINK_MPI_YIELD",
     "BLINK_GPU_LAUNCH",
     "GPU_LAUNCH_MODES",
     "ALL_VARIABLES",
@@ -66,6 +67,12 @@ GPU_FLAG_MODES = ("auto", "kernel", "memop", "fused")
 # synchronize() (docs/gpu-runtime.md, "Persistent launch").
 BLINK_GPU_LAUNCH = "BLINK_GPU_LAUNCH"
 GPU_LAUNCH_MODES = ("graph", "kernel", "persistent")
+# While a Blink CPU collective runs, the Open MPI already loaded in the process (Horovod's MPI
+# controller) yields the CPU when its polling finds nothing to do, as under mpi_yield_when_idle, and
+# goes back to its own setting afterwards: Horovod's background thread keeps polling its 1 ms
+# coordination allreduce during Blink's collectives, and without this it spins on the cores Blink's
+# ranks need (runtime/mpi_yield.py, docs/benchmarks.md).  1 (default) or 0 (leave Open MPI alone).
+BLINK_MPI_YIELD = "BLINK_MPI_YIELD"
 
 ALL_VARIABLES = (
     BLINK_ENABLE,
@@ -79,6 +86,7 @@ ALL_VARIABLES = (
     BLINK_FAULT,
     BLINK_GPU_FLAGS,
     BLINK_GPU_LAUNCH,
+    BLINK_MPI_YIELD,
 )
 
 # blinkrun flag -> variable (one-to-one, as Horovod's launcher argument groups).
@@ -117,6 +125,7 @@ class Config:
     fault: str | None = None
     gpu_flags: str = "auto"
     gpu_launch: str = "graph"
+    mpi_yield: bool = True
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -200,4 +209,5 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         fault=_fault(env),
         gpu_flags=gpu_flags,
         gpu_launch=gpu_launch,
+        mpi_yield=_flag(env, BLINK_MPI_YIELD) if env.get(BLINK_MPI_YIELD, "").strip() else True,
     )

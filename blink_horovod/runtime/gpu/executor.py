@@ -51,7 +51,7 @@ from .device import device_pointer
 from .fused import ARGS_SLOT, META_WORDS, STOP_BIT
 from .lowering import DONE_WORD, RESIDUES, Lowered, epoch_value, lower, plain_runs
 
-__all__ = ["GPU_MAX_PIECE_BYTES", "GpuExecutor"]
+__all__ = ["GPU_MAX_PIECE_BYTES", "PERSISTENT_IDLE_S", "GpuExecutor"]
 
 log = logging.getLogger("blink_horovod.runtime")
 
@@ -61,6 +61,9 @@ _INITIAL_WORDS = 4096
 _PAGE = 4096
 _SENT = 16  # launches whose metadata payload is kept for a device-found mismatch
 _BELLS = 256  # bell words of persistent launches (a ring: one word per launch)
+# A persistent kernel leaves after this long with nothing rung (fused.py says why); the host rings without
+# a check while its last ring is younger than half of it, or the kernel still has work rung before.
+PERSISTENT_IDLE_S = 0.002
 
 
 class _Segment:
@@ -188,6 +191,8 @@ class GpuExecutor:
         self._launches = 0
         self._running: tuple[Any, int] | None = None
         self._pstream: Any = None
+        self._rung = 0  # the last epoch rung, and when (perf_counter)
+        self._rung_at = 0.0
 
     # -- the collective -------------------------------------------------------------
     def collective(self, label: str, checked: Mapping[str, Any], extras: Mapping[str, Any], arr: Any, dtype: str,
@@ -558,9 +563,31 @@ class GpuExecutor:
             self._wait_until(lambda: c.stream_done(stream), ctx, "the work queued before it on the caller's stream")
             self._waited += time.perf_counter() - w0
         run = self._running
+        epoch = self.epoch
         if run is None or run[0] is not exe:
             run = self._start_persistent(exe, ctx)
-        self._bells_view[run[1]] = self.epoch
+            self._bells_view[run[1]] = epoch
+        else:
+            prev = self._rung
+            self._bells_view[run[1]] = epoch
+            # Taken for sure if the kernel was still busy with an earlier epoch after this store (it reads
+            # the bell again when done), or if it cannot have idled half its limit yet; else see which.
+            if time.perf_counter() - self._rung_at >= PERSISTENT_IDLE_S / 2 and int(self._err_view[1]) >= prev:
+                self._confirm_ring(exe, run, epoch, ctx)
+        self._rung, self._rung_at = epoch, time.perf_counter()
+
+    def _confirm_ring(self, exe: Any, run: tuple[Any, int], epoch: int, ctx: WaitContext) -> None:
+        """The kernel either acknowledges ``epoch`` (err[3]) or has left idle (err[2] holds its first
+        epoch) without it; then a new launch takes it."""
+        err, first = self._err_view, self._bell_first[run[1]]
+        if int(err[3]) < epoch:
+            w0 = time.perf_counter()
+            self._wait_until(lambda: int(err[3]) >= epoch or int(err[2]) >= first, ctx, "a persistent kernel's answer")
+            self._waited += time.perf_counter() - w0
+        if int(err[3]) < epoch:
+            self._running = None
+            run = self._start_persistent(exe, ctx)
+            self._bells_view[run[1]] = epoch
 
     def _start_persistent(self, exe: Any, ctx: WaitContext) -> tuple[Any, int]:
         self._stop_persistent()

@@ -384,23 +384,44 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
    rings ``bell`` (a word of mapped host memory: the newest epoch rung; bit 63: stop once it is done), so a
    collective costs the host a store, no CUDA call.  Only block 0 reads the host word; it forwards it to
    ``dev`` (device memory: [0] newest epoch rung, [1] the ``first`` of the launch told to exit), where the
-   other blocks poll without crossing PCIe.  ``args`` is slot 0 (epoch x uses slot x % 3).  On exit block 0
-   posts ``first`` in err[2]: the host may then reuse this launch's bell word. */
+   other blocks poll without crossing PCIe, and acknowledges it in err[3].  ``args`` is slot 0 (epoch x uses
+   slot x % 3).  The kernel also leaves by itself after ``idle_ns`` with nothing rung: a spinning kernel must
+   not stay resident while its process is idle, since loading a module or freeing memory may wait for every
+   kernel of the context (CUDA's lazy loading does), and the host, blocked there, would never ring it.  On
+   exit block 0 posts ``first`` in err[2]: the host then knows an epoch rung too late was not taken (err[3]
+   says which were) and that this launch's bell word is free. */
+__device__ __forceinline__ unsigned long long blink_clock_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
 extern "C" __global__ void __launch_bounds__(THREADS) PERSIST_NAME(
         const long long* __restrict__ T, blink_u64 args, blink_u64 sync, int B, int rank, int average_n,
-        blink_u64 err, int meta_word, blink_u64 bell, blink_u64 dev, long long first) {
+        blink_u64 err, int meta_word, blink_u64 idle_ns, blink_u64 bell, blink_u64 dev, long long first) {
     volatile long long* d = (volatile long long*)dev;
     __shared__ int s_go;
     long long last = first - 1;
     for (;;) {
         if (threadIdx.x == 0) {
             unsigned int ns = 32u;
+            unsigned long long idle0 = 0ull;
             for (;;) {
                 if (blockIdx.x == 0) {
                     const unsigned long long b = *(volatile unsigned long long*)bell;
                     const long long target = (long long)(b & 0x7fffffffffffffffull);
-                    if (target > d[0]) { d[0] = target; __threadfence(); }
-                    if ((b >> 63) != 0ull && target <= last) {
+                    if (target > d[0]) {
+                        d[0] = target;
+                        __threadfence();
+                        ((volatile blink_u64*)err)[3] = (blink_u64)target;
+                        __threadfence_system();
+                    }
+                    bool leave = (b >> 63) != 0ull && target <= last;
+                    if (!leave && target <= last) {
+                        const unsigned long long now = blink_clock_ns();
+                        if (idle0 == 0ull) idle0 = now;
+                        else if (now - idle0 > idle_ns) leave = true;
+                    }
+                    if (leave) {
                         d[1] = first;
                         __threadfence();
                         ((volatile blink_u64*)err)[2] = (blink_u64)first;
@@ -514,13 +535,15 @@ class FusedProgram:
         """The persistent kernel of this program for (dtype, op) (``args_host``: argument slot 0)."""
         hit = self._persistent.get((dtype, op))
         if hit is None:
+            from .executor import PERSISTENT_IDLE_S
+
             fn = module.get_function(persistent_name(dtype, op))
             average_n = self.lw.nranks if op == "average" else 0
             hit = self._persistent[(dtype, op)] = PersistentLaunch(
                 fn, self.ngroups * self.blocks, THREADS,
                 ("u64", self.ptr), ("u64", args_host), ("u64", self.sync), ("i32", self.blocks),
                 ("i32", self.lw.rank), ("i32", average_n), ("u64", err), ("i32", meta_word),
-                ("u64", 0), ("u64", self.dev_bell), ("i64", 0))
+                ("u64", int(PERSISTENT_IDLE_S * 1e9)), ("u64", 0), ("u64", self.dev_bell), ("i64", 0))
         return hit
 
     def free(self) -> None:
