@@ -40,6 +40,7 @@ from ..schedule.program import Program
 from . import metadata
 from .dtypes import finish_average, numpy_dtype, reduce_to
 from .faults import FaultInjector
+from .mpi_yield import yielding
 from .placement import Placement, place, plain
 from .steps import BLOCK_BYTES, STEP_COPY, STEP_POST, Steps, fuse
 from .transport import STATE_ABORTED, W_STATE, Transport, WaitContext
@@ -97,10 +98,15 @@ class Executor:
         ``BLINK_TIMEOUT_SECONDS`` and ``BLINK_STALL_CHECK_SECONDS``.
     fault : str, optional
         ``BLINK_FAULT`` (tests only).
+    mpi_yield : bool
+        ``BLINK_MPI_YIELD``: while a collective runs, an Open MPI in this process
+        yields the CPU when it polls idle (:mod:`blink_horovod.runtime.mpi_yield`).
     """
 
-    def __init__(self, transport: Transport, timeout: float, stall: float, fault: str | None = None) -> None:
+    def __init__(self, transport: Transport, timeout: float, stall: float, fault: str | None = None,
+                 mpi_yield: bool = True) -> None:
         self.t = transport
+        self.mpi_yield = mpi_yield
         self.rank = transport.rank
         self.nranks = transport.nranks
         self.timeout = timeout
@@ -135,6 +141,19 @@ class Executor:
         agree (so choices that depend on all ranks' measurements, such as the
         chunk size, are the same everywhere).  Returns every rank's extras.
         """
+        with yielding(self.mpi_yield):
+            return self._collective(label, checked, extras, arr, dtype, op, build)
+
+    def _collective(
+        self,
+        label: str,
+        checked: Mapping[str, Any],
+        extras: Mapping[str, Any],
+        arr: np.ndarray,
+        dtype: str,
+        op: str,
+        build: Callable[[list[dict[str, Any]]], Sequence[Piece]],
+    ) -> list[dict[str, Any]]:
         if self.failed is not None:
             raise BlinkInternalError(f"{label}: this communicator is unusable after an earlier failure: {self.failed}")
         ctx = WaitContext.start(label, self.timeout, self.stall)
@@ -216,6 +235,21 @@ class Executor:
         ``reduce_to_roots`` or ``broadcast_from_roots`` (``segments[r]``: rank
         r's element range).
         """
+        with yielding(self.mpi_yield):
+            return self._eager_collective(label, checked, extras, arr, dtype, op, kind, root, segments)
+
+    def _eager_collective(
+        self,
+        label: str,
+        checked: Mapping[str, Any],
+        extras: Mapping[str, Any],
+        arr: np.ndarray,
+        dtype: str,
+        op: str,
+        kind: str,
+        root: int,
+        segments: Sequence[tuple[int, int]],
+    ) -> list[dict[str, Any]]:
         if self.failed is not None:
             raise BlinkInternalError(f"{label}: this communicator is unusable after an earlier failure: {self.failed}")
         ctx = WaitContext.start(label, self.timeout, self.stall)

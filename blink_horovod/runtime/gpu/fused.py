@@ -210,6 +210,11 @@ __device__ __forceinline__ void blink_copy_bytes(char* dst, const char* src, lon
     for (; i < m; i += nt) d[i] = __ldcg(s + i);
     if (tail) blink_copy_elems(dst + head + (m << 4), src + head + (m << 4), tail, t, nt);
 }
+__device__ __forceinline__ unsigned long long blink_clock_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
 /* One epoch of the program (``e``: its residue + 3; ``args``: its argument slot): the body of both kernels. */
 __device__ __forceinline__ void BODY_NAME(
         const long long* __restrict__ T, blink_u64 args, blink_u64 sync, int e, int B, int rank, int average_n,
@@ -390,11 +395,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
    kernel of the context (CUDA's lazy loading does), and the host, blocked there, would never ring it.  On
    exit block 0 posts ``first`` in err[2]: the host then knows an epoch rung too late was not taken (err[3]
    says which were) and that this launch's bell word is free. */
-__device__ __forceinline__ unsigned long long blink_clock_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 extern "C" __global__ void __launch_bounds__(THREADS) PERSIST_NAME(
         const long long* __restrict__ T, blink_u64 args, blink_u64 sync, int B, int rank, int average_n,
         blink_u64 err, int meta_word, blink_u64 idle_ns, blink_u64 bell, blink_u64 dev, long long first) {
