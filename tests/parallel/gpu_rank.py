@@ -168,7 +168,11 @@ def scenario(name: str, rank: int, n: int, srv: GpuServer, args: list[str]) -> d
         # BLINK_TEST_SPIN_S overrides how long the executor's waits spin.
         reps = int(args[0]) if args else 200
         counts = tuple(int(c) for c in args[1].split(",")) if len(args) > 1 else (1, 4, 16, 64, 256)
-        idle = len(args) > 2 and args[2] == "idle"
+        mode = args[2] if len(args) > 2 else "back"
+        idle = mode == "idle" or mode.startswith("spin")
+        # "spinMS": the device drained, then the host spins MS milliseconds (as the executor's waits do)
+        # before each timed call: host time after a long host wait, with no device work pending.
+        spin_s = float(mode[4:]) * 1e-3 if mode.startswith("spin") else 0.0
         if os.environ.get("BLINK_TEST_BIND") == "1":
             # Diagnosis: each rank on its own physical core (first hardware thread of the rank-th core).
             from pathlib import Path
@@ -198,9 +202,14 @@ def scenario(name: str, rank: int, n: int, srv: GpuServer, args: list[str]) -> d
                 for _ in range(reps):
                     if idle:
                         srv.synchronize()
-                    t0, c0 = time.perf_counter(), time.thread_time()
+                        end = time.monotonic() + spin_s
+                        while time.monotonic() < end:
+                            pass
+                    c0 = time.thread_time()  # a system call: outside the wall-time window
+                    t0 = time.perf_counter()
                     srv.allreduce(x, count, "float32", "sum", name=f"h{chunks}")
-                    total.append(time.perf_counter() - t0 - srv.ex.last_wait_seconds)
+                    t1 = time.perf_counter()
+                    total.append(t1 - t0 - srv.ex.last_wait_seconds)
                     cpu.append(time.thread_time() - c0)
                     meta.append(srv.ex.last_meta_seconds)
                     launch.append(srv.ex.last_launch_seconds)
