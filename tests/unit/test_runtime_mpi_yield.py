@@ -1,0 +1,139 @@
+"""Open MPI yields while a Blink collective runs (runtime/mpi_yield.py), and only then."""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from blink_horovod.config import BLINK_MPI_YIELD, load_config
+from blink_horovod.errors import ConfigError
+from blink_horovod.runtime import mpi_yield
+
+
+@pytest.fixture
+def fake_setter(monkeypatch):
+    """A stand-in for opal_progress_set_yield_when_idle: records values, returns the old one."""
+    state = {"value": False, "calls": []}
+
+    def setter(value: bool) -> bool:
+        old = state["value"]
+        state["value"] = bool(value)
+        state["calls"].append(bool(value))
+        return old
+
+    monkeypatch.setattr(mpi_yield, "setter", lambda: setter)
+    return state
+
+
+def test_yields_inside_and_restores_after(fake_setter):
+    with mpi_yield.yielding():
+        assert fake_setter["value"] is True
+    assert fake_setter["value"] is False
+    assert fake_setter["calls"] == [True, False]
+
+
+def test_keeps_a_value_set_before(fake_setter):
+    fake_setter["value"] = True  # the user ran with mpi_yield_when_idle=1
+    with mpi_yield.yielding():
+        pass
+    assert fake_setter["value"] is True
+
+
+def test_nested_uses_restore_once_at_the_outermost_exit(fake_setter):
+    with mpi_yield.yielding():
+        with mpi_yield.yielding():
+            assert fake_setter["value"] is True
+        assert fake_setter["value"] is True
+    assert fake_setter["calls"] == [True, False]
+
+
+def test_restores_when_the_collective_raises(fake_setter):
+    with pytest.raises(RuntimeError):
+        with mpi_yield.yielding():
+            raise RuntimeError("peer failed")
+    assert fake_setter["value"] is False
+
+
+def test_disabled_is_a_no_op(fake_setter):
+    with mpi_yield.yielding(False):
+        assert fake_setter["value"] is False
+    assert fake_setter["calls"] == []
+
+
+def test_no_open_mpi_in_the_process_is_a_no_op(monkeypatch):
+    monkeypatch.setattr(mpi_yield, "_loaded_path", lambda: None)
+    mpi_yield.reset()
+    try:
+        assert mpi_yield.setter() is None
+        with mpi_yield.yielding():
+            pass
+    finally:
+        mpi_yield.reset()
+
+
+def test_the_executor_yields_during_its_collectives(fake_setter):
+    from blink_horovod.runtime.communicator import Communicator
+    from blink_horovod.runtime.loopback import LoopbackWorld
+    import threading
+
+    world = LoopbackWorld(2)
+    seen: list[bool] = []
+    out: list[np.ndarray] = [np.arange(8, dtype=np.float32) + r for r in range(2)]
+
+    def rank(r: int) -> None:
+        comm = Communicator(r, 2, None, None, transport=world.transport(r))
+        comm.allreduce(out[r])
+        seen.append(fake_setter["value"])
+        comm.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert True in fake_setter["calls"]
+    assert fake_setter["value"] is False  # back after the last collective
+    assert np.array_equal(out[0], np.arange(8, dtype=np.float32) * 2 + 1)
+
+
+def test_config_variable():
+    assert load_config({}).mpi_yield is True
+    assert load_config({BLINK_MPI_YIELD: "0"}).mpi_yield is False
+    assert load_config({BLINK_MPI_YIELD: "1"}).mpi_yield is True
+    with pytest.raises(ConfigError, match=BLINK_MPI_YIELD):
+        load_config({BLINK_MPI_YIELD: "sometimes"})
+
+
+def _open_pal() -> str | None:
+    for name in ("libopen-pal.so.40", "libopen-pal.so.80", "libopen-pal.so"):
+        try:
+            ctypes.CDLL(name)
+            return name
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or _open_pal() is None, reason="no Open MPI here")
+def test_real_open_mpi_flag_flips_and_comes_back():
+    """With Open MPI loaded (as Horovod's MPI controller loads it), the real flag is set and restored."""
+    code = textwrap.dedent(f"""
+        import ctypes
+        lib = ctypes.CDLL({_open_pal()!r}, mode=ctypes.RTLD_GLOBAL)
+        flag = ctypes.c_bool.in_dll(lib, "opal_progress_yield_when_idle")
+        from blink_horovod.runtime import mpi_yield
+        before = flag.value
+        with mpi_yield.yielding():
+            inside = flag.value
+        print(before, inside, flag.value)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "False"]
