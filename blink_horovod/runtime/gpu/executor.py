@@ -48,7 +48,7 @@ from ..dtypes import check_op, numpy_dtype
 from ..executor import Piece
 from ..transport import STATE_CLOSED, W_STATE, Transport, WaitContext
 from .device import device_pointer
-from .fused import ARGS_SLOT, META_WORDS, STOP_BIT
+from .fused import ARGS_SLOT, META_WORDS, PERSISTENT_SLOTS, STOP_BIT
 from .lowering import DONE_WORD, RESIDUES, Lowered, epoch_value, lower, plain_runs
 
 __all__ = ["GPU_MAX_PIECE_BYTES", "PERSISTENT_IDLE_S", "GpuExecutor"]
@@ -160,17 +160,23 @@ class GpuExecutor:
         self._streams: list[Any] = []
         self._events: list[int] = []
         c = self.cuda
-        # Argument slots, one per epoch residue (ARGS_SLOT bytes): user pointer, metadata fingerprint,
-        # epoch; pinned and mapped, copied to the device by each graph.
-        self._args_host, self._args_view = c.host_alloc(RESIDUES * ARGS_SLOT)
-        self._args_dev = c.malloc(RESIDUES * ARGS_SLOT)
         # Fused programs report a metadata mismatch here (the first failing epoch), read without a sync.
         self._device_thread = 0
         self._fused_mode = getattr(c, "flag_ops", "") == "fused"
+        self._persistent = self._fused_mode and fused_launch == "persistent"
+        # Argument slots (ARGS_SLOT bytes: user pointer, metadata fingerprint, epoch), pinned and mapped:
+        # one per epoch residue for graphs, whose slot is captured; a ring of PERSISTENT_SLOTS for a
+        # persistent kernel, which takes slot epoch % PERSISTENT_SLOTS, so the host may run that many
+        # collectives ahead of the device (as far as a CUDA stream's queue lets launches run ahead)
+        # instead of waiting for the collective three before.
+        self._slots = PERSISTENT_SLOTS if self._persistent else RESIDUES
+        self._args_host, self._args_view = c.host_alloc(self._slots * ARGS_SLOT)
+        self._args_dev = c.malloc(RESIDUES * ARGS_SLOT)
         self._err_host, self._err_view = c.host_alloc(64)
         self._err_view[:] = 0
         self._seen: set[bytes] = set()
-        self._sent: list[tuple[int, bytes]] = [(0, b"")] * _SENT  # ring by epoch: payload of each launch
+        # ring by epoch: payload of each launch in flight
+        self._sent: list[tuple[int, bytes]] = [(0, b"")] * max(_SENT, self._slots)
         self._fp = 0
         self._head = b""
         self._probe_host, self._probe_view = c.host_alloc(8 * max(8, self.nranks))
@@ -182,7 +188,6 @@ class GpuExecutor:
         # Persistent launches (BLINK_GPU_LAUNCH=persistent, fused programs): one kernel runs every collective
         # of a program, each rung by a store to its bell word (mapped host memory, a ring of one word per
         # launch); `_running` is (launch, bell index) of the kernel now running.
-        self._persistent = self._fused_mode and fused_launch == "persistent"
         if self._persistent and getattr(c, "shares_context", False):
             raise ConfigError("BLINK_GPU_LAUNCH=persistent: needs one process per rank (virtual ranks share one "
                               "CUDA context, where a device-wide wait would wait for the peers' running kernels)")
@@ -384,7 +389,7 @@ class GpuExecutor:
         bad = int(self._err_view[0])
         if not bad:
             return
-        epoch, payload = self._sent[bad % _SENT]
+        epoch, payload = self._sent[bad % len(self._sent)]
         if epoch != bad:
             payload = b""
         seq = (1 << 31) + bad  # above every sequence number used before, the same on every rank (a 32-bit word)
@@ -530,19 +535,20 @@ class GpuExecutor:
         ``epoch - 3`` is free once that word reached it, and a launch on another stream than the last
         waits for the last epoch (a rank's programs must run one after the other)."""
         done = self._err_view
-        need = self.epoch - RESIDUES
+        need = self.epoch - self._slots
         if self._last_stream is not None and stream != self._last_stream and not self._persistent:
             need = self.epoch - 1
         if int(done[1]) < need:
             w0 = time.perf_counter()
             self._wait_until(lambda: int(done[1]) >= need, ctx, f"collective {need} on this rank's GPU")
             self._waited += time.perf_counter() - w0
-        slot = (ARGS_SLOT // 8) * residue
+        slot = (ARGS_SLOT // 8) * (self.epoch % self._slots)  # the residue, but for persistent kernels
         view = self._args_view
         view[slot] = user
         view[slot + 1] = self._fp
         view[slot + 2] = self.epoch
-        self._sent[self.epoch % _SENT] = (self.epoch, self._memo[2] if self._memo is not None else b"")
+        sent = self._sent
+        sent[self.epoch % len(sent)] = (self.epoch, self._memo[2] if self._memo is not None else b"")
         a0 = time.perf_counter()
         if self._persistent:
             self._ring(exe, stream, ctx)

@@ -59,7 +59,7 @@ from .lowering import (
 )
 
 __all__ = ["ARGS_SLOT", "CMD_WORDS", "META_WORDS", "STOP_BIT", "STRIPE", "THREADS", "DirectLaunch", "FusedProgram",
-           "PersistentLaunch", "block_cap", "blocks_per_group", "decode", "encode", "fused_source", "persistent_name"]
+           "PERSISTENT_SLOTS", "PersistentLaunch", "block_cap", "blocks_per_group", "decode", "encode", "fused_source", "persistent_name"]
 
 THREADS = 256  # threads per block
 STRIPE = 16384  # bytes of the buffer per stripe (a multiple of 16 and of every itemsize)
@@ -70,6 +70,7 @@ _CODE = {WAIT: 1, WRITE: 2, RESET: 3, COPY: 4, REDUCE: 5, STAGE_IN: 6, STAGE_OUT
 _KIND = {v: k for k, v in _CODE.items()}
 _ACCEPT_BIAS = 4  # accept offset d is bit d + 4 (d in -4..4)
 STOP_BIT = 1 << 63  # in a persistent launch's bell word: exit once every epoch rung is done
+PERSISTENT_SLOTS = 1024  # argument slots of a persistent kernel (epoch e reads slot e % PERSISTENT_SLOTS)
 
 
 def encode(lw: Lowered, flags: Sequence[int], data: Sequence[int], flag_words: int, itemsize: int) -> np.ndarray:
@@ -390,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
    collective costs the host a store, no CUDA call.  Only block 0 reads the host word; it forwards it to
    ``dev`` (device memory: [0] newest epoch rung, [1] the ``first`` of the launch told to exit), where the
    other blocks poll without crossing PCIe, and acknowledges it in err[3].  ``args`` is slot 0 (epoch x uses
-   slot x % 3).  The kernel also leaves by itself after ``idle_ns`` with nothing rung: a spinning kernel must
+   slot x % ARGS_SLOTS: the host may ring that many ahead).  The kernel also leaves by itself after ``idle_ns`` with nothing rung: a spinning kernel must
    not stay resident while its process is idle, since loading a module or freeing memory may wait for every
    kernel of the context (CUDA's lazy loading does), and the host, blocked there, would never ring it.  On
    exit block 0 posts ``first`` in err[2]: the host then knows an epoch rung too late was not taken (err[3]
@@ -442,7 +443,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) PERSIST_NAME(
         __syncthreads();
         if (!s_go) return;
         ++last;
-        BODY_NAME(T, args + (blink_u64)(ARGS_SLOT * (last % 3)), sync, (int)(last % 3) + 3, B, rank, average_n,
+        BODY_NAME(T, args + (blink_u64)(ARGS_SLOT * (last % ARGS_SLOTS)), sync, (int)(last % 3) + 3, B, rank, average_n,
                   err, meta_word);
         __syncthreads();
     }
@@ -454,7 +455,8 @@ def fused_source(dtype: str) -> str:
     """One CUDA module for ``dtype``: the program interpreter kernel per op (sum, min, max, product)."""
     from .kernels import KERNEL_OPS
 
-    defines = {"THREADS": THREADS, "STRIPE": f"{STRIPE}ll", "CMD_WORDS": CMD_WORDS, "ARGS_SLOT": f"{ARGS_SLOT}ll"}
+    defines = {"THREADS": THREADS, "STRIPE": f"{STRIPE}ll", "CMD_WORDS": CMD_WORDS, "ARGS_SLOT": f"{ARGS_SLOT}ll",
+               "ARGS_SLOTS": f"{PERSISTENT_SLOTS}ll"}
     src = [element_source(dtype), "".join(f"#define {k} {v}\n" for k, v in defines.items())]
     cut = _KERNEL.index("/* One epoch of the program")
     helpers, kernel = _KERNEL[:cut], _KERNEL[cut:]
