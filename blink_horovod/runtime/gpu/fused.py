@@ -58,8 +58,24 @@ from .lowering import (
     Lowered,
 )
 
-__all__ = ["ARGS_SLOT", "CMD_WORDS", "META_WORDS", "STOP_BIT", "STRIPE", "THREADS", "DirectLaunch", "FusedProgram",
-           "PERSISTENT_SLOTS", "PersistentLaunch", "block_cap", "blocks_per_group", "decode", "encode", "fused_source", "persistent_name"]
+__all__ = [
+    "ARGS_SLOT",
+    "CMD_WORDS",
+    "META_WORDS",
+    "PERSISTENT_SLOTS",
+    "STOP_BIT",
+    "STRIPE",
+    "THREADS",
+    "DirectLaunch",
+    "FusedProgram",
+    "PersistentLaunch",
+    "block_cap",
+    "blocks_per_group",
+    "decode",
+    "encode",
+    "fused_source",
+    "persistent_name",
+]
 
 THREADS = 256  # threads per block
 STRIPE = 16384  # bytes of the buffer per stripe (a multiple of 16 and of every itemsize)
