@@ -139,6 +139,11 @@ for nr in 2 4 8; do
     step persist-n$nr 130 "${MPI[@]}" -np $nr $PY "${PERF[@]}" "${FUSED[@]}" --fused-launch persistent -b 4 -e 1G -f 4 \
         -n 10 --dtype "${DTYPES:-all}" --json "$R/persist-n$nr.json" --time-limit 110
 done
+# Small-message latency, the one-node graph launch against the persistent kernel, same sizes.
+for how in graph persistent; do
+    step lat-n2-$how 40 "${MPI[@]}" -np 2 $PY "${PERF[@]}" "${FUSED[@]}" --fused-launch $how -b 4 -e 1M -f 16 -n 100 \
+        --dtype float32 --json "$R/lat-n2-$how.json" --time-limit 30
+done
 step persist-tests 300 env BLINK_GPU_FLAGS=fused BLINK_GPU_LAUNCH=persistent $PY -m pytest -v -p no:cacheprovider -rs -s \
     tests/parallel/test_gpu_collectives.py ${TESTS_K:+-k "$TESTS_K"}
 step threads-fused 45 $PY "${PERF[@]}" --threads 2 --flag-ops fused --topology dgx1v -b 4 -e 64M -f 8 -n 10 \
