@@ -115,8 +115,11 @@ def main() -> int:
                     help="how ranks signal on the device (BLINK_GPU_FLAGS; default auto: memop for processes "
                          "sharing a GPU without MPS, fused otherwise)")
     ap.add_argument("--fused-launch", default=None, choices=["graph", "kernel", "persistent"],
-                    help="fused programs: launched as a one-node CUDA graph or by cuLaunchKernel "
-                         "(default: BLINK_GPU_LAUNCH, else graph)")
+                    help="fused programs: launched as a one-node CUDA graph, by cuLaunchKernel, or once as a "
+                         "persistent kernel rung by the host (default: BLINK_GPU_LAUNCH, else graph)")
+    ap.add_argument("--spin-s", type=float, default=None,
+                    help="diagnosis: how long the executor's waits for the device spin before sleeping "
+                         "(default: its own rule, 50 ms while every rank has a core)")
     ap.add_argument("--chunk-counts", default=None,
                     help="comma list of chunk counts (e.g. 1,4,16,64,256): time the one size -e at each, the chunk "
                          "size set to size/count (host time must not grow with chunks); rows say chunks")
@@ -145,6 +148,8 @@ def main() -> int:
         os.environ["BLINK_GPU_FLAGS"] = args.flag_ops
     srv = GpuServer(rdv.local_rank, rdv.local_size, rdv.job_id, pids, timeout=120.0,
                     planner=lambda c, r: plans[(c, r)], fused_launch=args.fused_launch)
+    if args.spin_s is not None:
+        srv.ex._spin_s = args.spin_s
     ops = {"max": MPI.MAX, "sum": MPI.SUM}
     comm = _Comm(lambda obj: mpi.bcast(obj, root=0), mpi.Barrier, lambda x, op: mpi.allreduce(x, op=ops[op]))
     try:

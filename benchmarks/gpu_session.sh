@@ -140,9 +140,12 @@ for nr in 2 4 8; do
         -n 10 --dtype "${DTYPES:-all}" --json "$R/persist-n$nr.json" --time-limit 110
 done
 # Small-message latency, the one-node graph launch against the persistent kernel, same sizes.
+# lat-n2-*-sleep: the same with the executor's waits sleeping instead of spinning.
 for how in graph persistent; do
     step lat-n2-$how 40 "${MPI[@]}" -np 2 $PY "${PERF[@]}" "${FUSED[@]}" --fused-launch $how -b 4 -e 1M -f 16 -n 100 \
         --dtype float32 --json "$R/lat-n2-$how.json" --time-limit 30
+    step lat-n2-$how-sleep 40 "${MPI[@]}" -np 2 $PY "${PERF[@]}" "${FUSED[@]}" --fused-launch $how -b 4 -e 1M -f 16 \
+        -n 100 --spin-s 0 --dtype float32 --json "$R/lat-n2-$how-sleep.json" --time-limit 30
 done
 step persist-tests 300 env BLINK_GPU_FLAGS=fused BLINK_GPU_LAUNCH=persistent $PY -m pytest -v -p no:cacheprovider -rs -s \
     tests/parallel/test_gpu_collectives.py ${TESTS_K:+-k "$TESTS_K"}
