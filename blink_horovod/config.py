@@ -31,6 +31,7 @@ __all__ = [
     "BLINK_GPU_FLAGS",
     "GPU_FLAG_MODES",
     "BLINK_MPI_YIELD",
+    "BLINK_BACKGROUND_IDLE",
     "BLINK_GPU_LAUNCH",
     "GPU_LAUNCH_MODES",
     "ALL_VARIABLES",
@@ -73,6 +74,11 @@ GPU_LAUNCH_MODES = ("graph", "kernel", "persistent")
 # coordination allreduce during Blink's collectives, and without this it spins on the cores Blink's
 # ranks need (runtime/mpi_yield.py, docs/benchmarks.md).  1 (default) or 0 (leave Open MPI alone).
 BLINK_MPI_YIELD = "BLINK_MPI_YIELD"
+# While a Blink CPU collective runs, the threads Horovod's init started (its background thread, the MPI
+# library's threads) run at SCHED_IDLE, and get their policy back afterwards; only where the process may
+# give it back (CAP_SYS_NICE or RLIMIT_NICE >= 20, probed once), else never touched
+# (runtime/background.py).  1 (default) or 0.
+BLINK_BACKGROUND_IDLE = "BLINK_BACKGROUND_IDLE"
 
 ALL_VARIABLES = (
     BLINK_ENABLE,
@@ -87,6 +93,7 @@ ALL_VARIABLES = (
     BLINK_GPU_FLAGS,
     BLINK_GPU_LAUNCH,
     BLINK_MPI_YIELD,
+    BLINK_BACKGROUND_IDLE,
 )
 
 # blinkrun flag -> variable (one-to-one, as Horovod's launcher argument groups).
@@ -126,6 +133,7 @@ class Config:
     gpu_flags: str = "auto"
     gpu_launch: str = "graph"
     mpi_yield: bool = True
+    background_idle: bool = True
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -210,4 +218,5 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         gpu_flags=gpu_flags,
         gpu_launch=gpu_launch,
         mpi_yield=_flag(env, BLINK_MPI_YIELD) if env.get(BLINK_MPI_YIELD, "").strip() else True,
+        background_idle=_flag(env, BLINK_BACKGROUND_IDLE) if env.get(BLINK_BACKGROUND_IDLE, "").strip() else True,
     )

@@ -39,6 +39,7 @@ import numpy as np
 
 from ..config import load_config
 from ..errors import ConfigError
+from ..runtime.background import forget as forget_threads, noting_new_threads
 from .context import BlinkContext, add_missing_sets, create_context, cross_sets_after_init, plan_init
 from .engine import Handle, StockWaiter, Work
 from .errors_bridge import as_horovod_error
@@ -394,7 +395,8 @@ def init(*args, **kwargs):
         comm, process_sets = _split_init_args(args, kwargs)
         cfg = load_config()
         plan = plan_init(m.ProcessSet, comm, process_sets)
-        orig(comm, process_sets=plan.process_sets)
+        with noting_new_threads():  # Horovod's background thread: idle during Blink's collectives
+            orig(comm, process_sets=plan.process_sets)
         _recording = bool(os.environ.get("HOROVOD_TIMELINE")) and os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC"
         if plan.custom_comm:
             _reason = "hvd.init(comm=...) with a custom communicator"
@@ -460,6 +462,7 @@ def _close_context() -> None:
 
 def shutdown(*args, **kwargs):
     _close_context()
+    forget_threads()
     return _o("shutdown")(*args, **kwargs)
 
 

@@ -243,7 +243,10 @@ def _start_horovod(job: _Job, cfg) -> None:
     if 1 < local < size:
         # One process set per local rank index: the ranks of the cross-server stage.
         sets = [hvd.ProcessSet([s * local + i for s in range(size // local)]) for i in range(local)]
-    hvd.init(process_sets=sets) if sets else hvd.init()
+    from ..runtime.background import noting_new_threads
+
+    with noting_new_threads():  # Horovod's threads (also noted by the BLINK_ENABLE hook's init, if installed)
+        hvd.init(process_sets=sets) if sets else hvd.init()
     # One rank per server: the cross-server stage is the whole job, Horovod's global set (registering
     # it again fails Horovod's init with "mismatching numbers of process sets").
     job.hvd, job.process_sets = hvd, sets or ([hvd.global_process_set] if local == 1 else [])

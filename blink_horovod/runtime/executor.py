@@ -40,6 +40,7 @@ from ..schedule.program import Program
 from . import metadata
 from .dtypes import finish_average, numpy_dtype, reduce_to
 from .faults import FaultInjector
+from .background import idled
 from .mpi_yield import yielding
 from .placement import Placement, place, plain
 from .steps import BLOCK_BYTES, STEP_COPY, STEP_POST, Steps, fuse
@@ -101,12 +102,16 @@ class Executor:
     mpi_yield : bool
         ``BLINK_MPI_YIELD``: while a collective runs, an Open MPI in this process
         yields the CPU when it polls idle (:mod:`blink_horovod.runtime.mpi_yield`).
+    background_idle : bool
+        ``BLINK_BACKGROUND_IDLE``: while a collective runs, the threads Horovod's
+        init started run at idle priority (:mod:`blink_horovod.runtime.background`).
     """
 
     def __init__(self, transport: Transport, timeout: float, stall: float, fault: str | None = None,
-                 mpi_yield: bool = True) -> None:
+                 mpi_yield: bool = True, background_idle: bool = True) -> None:
         self.t = transport
         self.mpi_yield = mpi_yield
+        self.background_idle = background_idle
         self.rank = transport.rank
         self.nranks = transport.nranks
         self.timeout = timeout
@@ -141,7 +146,7 @@ class Executor:
         agree (so choices that depend on all ranks' measurements, such as the
         chunk size, are the same everywhere).  Returns every rank's extras.
         """
-        with yielding(self.mpi_yield):
+        with yielding(self.mpi_yield), idled(self.background_idle):
             return self._collective(label, checked, extras, arr, dtype, op, build)
 
     def _collective(
@@ -235,7 +240,7 @@ class Executor:
         ``reduce_to_roots`` or ``broadcast_from_roots`` (``segments[r]``: rank
         r's element range).
         """
-        with yielding(self.mpi_yield):
+        with yielding(self.mpi_yield), idled(self.background_idle):
             return self._eager_collective(label, checked, extras, arr, dtype, op, kind, root, segments)
 
     def _eager_collective(
