@@ -33,11 +33,13 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
+from .outermost import Outermost
+
 __all__ = ["noting_new_threads", "idled", "registered", "can_restore", "forget"]
 
 _lock = threading.Lock()
 _threads: set[int] = set()  # native ids of the threads Horovod's init started
-_depth = 0
+_holders = Outermost()  # Blink collectives in progress in this process
 _saved: dict[int, tuple[int, int]] = {}  # tid -> (policy, priority) before the outermost collective
 _restorable: bool | None = None
 
@@ -131,18 +133,8 @@ def idled(enabled: bool = True) -> Iterator[None]:
     """Horovod's threads at ``SCHED_IDLE`` for the duration (module docstring); nested and
     concurrent uses count, the last exit restores.  A no-op when disabled, when no thread
     was noted, or when the policy could not be given back."""
-    global _depth
     if not enabled or not _threads or not can_restore():
         yield
         return
-    with _lock:
-        if _depth == 0:
-            _idle_all()
-        _depth += 1
-    try:
+    with _holders.held(_idle_all, _restore_all):
         yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                _restore_all()

@@ -41,6 +41,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from .outermost import Outermost
+
 __all__ = ["yielding", "setter", "reset"]
 
 _LIBRARY = "libopen-pal.so"  # Open MPI's portability layer, which holds the progress engine
@@ -48,7 +50,7 @@ _SYMBOL = "opal_progress_set_yield_when_idle"
 _RECHECK_SECONDS = 1.0  # while Open MPI is not (yet) loaded, look again after 1, 2, 4, ... 64 s
 
 _lock = threading.Lock()
-_depth = 0  # Blink collectives in progress in this process (several communicators, threads)
+_holders = Outermost()  # Blink collectives in progress in this process (several communicators, threads)
 _saved = False  # Open MPI's value before the outermost one began
 _setter: Callable[[bool], bool] | None = None
 _checked_at: float | None = None
@@ -112,7 +114,6 @@ def yielding(enabled: bool = True) -> Iterator[None]:
     Nested and concurrent uses count: the outermost entry saves Open MPI's
     value and the last exit restores it.  ``enabled=False``: a no-op.
     """
-    global _depth, _saved
     if not enabled:
         yield
         return
@@ -120,14 +121,10 @@ def yielding(enabled: bool = True) -> Iterator[None]:
     if fn is None:
         yield
         return
-    with _lock:
-        if _depth == 0:
-            _saved = bool(fn(True))
-        _depth += 1
-    try:
+
+    def enter() -> None:
+        global _saved
+        _saved = bool(fn(True))
+
+    with _holders.held(enter, lambda: fn(_saved)):
         yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                fn(_saved)
