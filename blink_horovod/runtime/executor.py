@@ -21,7 +21,11 @@ One *collective* here is
    pieces): stage the input into the own buffer once, run the piece's program
    under a fresh epoch, post "done", copy the result out once.  Before staging
    piece k+1 a rank waits for the "done" of piece k from every rank that reads
-   its buffer (``Program.readers()``).
+   its buffer (``Program.readers()``).  An allreduce piece stages its input
+   region by region *inside* the program instead, each just before a peer
+   reads it and under a flag of its own (:func:`placement.interleave`), so
+   the peer reads it from the cache rather than from memory; still after that
+   wait, so the reuse rule is unchanged.
 
 Any failure aborts the transport (peers raise the same error class, naming
 this rank) and leaves the executor unusable, as an aborted NCCL communicator.
@@ -42,8 +46,8 @@ from .dtypes import finish_average, numpy_dtype, reduce_to
 from .faults import FaultInjector
 from .background import idled
 from .mpi_yield import yielding
-from .placement import Placement, place, plain
-from .steps import BLOCK_BYTES, STEP_COPY, STEP_POST, Steps, fuse
+from .placement import STAGE, Placement, interleave, place, plain
+from .steps import BLOCK_BYTES, STEP_COPY, STEP_POST, STEP_STAGE, Steps, fuse
 from .transport import STATE_ABORTED, W_STATE, Transport, WaitContext
 
 __all__ = ["Run", "Piece", "Executor"]
@@ -53,6 +57,7 @@ Run = tuple[int, int, int]  # (offset in the user's array, offset in the buffer,
 _COPY, _REDUCE, _POST = 0, 1, 2
 _PLACE = True  # direct placement; False only to measure what it saves
 _FUSE = True  # fused steps (runtime.steps); False only to measure what they save
+_INTERLEAVE = True  # allreduce inputs staged chunk by chunk (placement.interleave); False only to measure it
 
 
 @dataclass
@@ -321,7 +326,8 @@ class Executor:
         """This rank's ops with value placements, cached per program (host work O(ops))."""
         program = piece.program
         direct = piece.direct is not None and _PLACE
-        key = (id(program), direct, piece.has_input, piece.wants_output)
+        mixed = direct and _INTERLEAVE and program.kind == "allreduce" and piece.has_input and piece.wants_output
+        key = (id(program), direct, piece.has_input, piece.wants_output, mixed)
         cached = self._lowered.get(key)
         if cached is not None and cached.program is program:
             return cached
@@ -333,11 +339,17 @@ class Executor:
                     raise BlinkInternalError(f"program op reads rank {o.peer} on rank {self.rank}")
             elif o.kind != "post":
                 raise BlinkInternalError(f"program op kind {o.kind!r} unknown")
+        nflags = max(program.nflags) if program.nflags else 0
         if direct:
             placement = place(program, self.rank, piece.has_input, piece.wants_output)
+            if mixed:
+                # Every rank of an allreduce decides alike (same program, same placements).
+                every = [placement if r == self.rank else place(program, r, True, True) for r in range(self.nranks)]
+                mixed_pl = interleave(program, self.rank, every)
+                if mixed_pl is not None:
+                    placement, nflags = mixed_pl
         else:
             placement = plain(program, self.rank, True, True)
-        nflags = max(program.nflags) if program.nflags else 0
         lw = _Lowered(program, placement, fuse(placement), sorted(program.readers()[self.rank]), nflags)
         if len(self._lowered) > 4096:
             self._lowered.clear()
@@ -364,6 +376,9 @@ class Executor:
         for s in lw.steps.steps:
             if s.kind == STEP_POST:
                 t.store(base + s.flags[0], epoch)
+                continue
+            if s.kind == STEP_STAGE:
+                views[self.rank][s.start : s.stop] = user[s.start : s.stop]
                 continue
             for peer, flag in zip(s.peers, s.flags):
                 if load(peer, base + flag) < epoch:
@@ -410,6 +425,9 @@ class Executor:
         for kind, peer, flag, start, stop, src_loc, dst_loc in pl.ops:
             if kind == _POST:
                 t.store(base + flag, epoch)
+                continue
+            if kind == STAGE:
+                views[self.rank][start:stop] = user[start:stop]
                 continue
             if load(peer, base + flag) < epoch:
                 t.wait_words((peer,), base + flag, epoch, ctx, f"flag {flag}")

@@ -26,6 +26,10 @@ value current at each such post, and nothing else is ever observed by a peer.
 
 Programs whose regions overlap partially (not equal, not disjoint) get the
 plain plan: stage everything in, everything out.
+
+:func:`interleave` (allreduce pieces) then moves each staged region from
+before the ops to just before a peer first reads it, under a flag of its own
+(``STAGE`` ops), so that the reader finds it in the cache.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 
 from ..schedule.program import Program
 
-__all__ = ["Placement", "place", "plain", "SHARED", "USER"]
+__all__ = ["Placement", "place", "plain", "interleave", "SHARED", "STAGE", "USER"]
 
 SHARED, USER = 0, 1
 
@@ -202,3 +206,125 @@ def _receiver(program: Program, rank: int) -> Placement:
         for i, o in enumerate(mine)
     )
     return Placement(ops, (), _merge(stage_out), True)
+
+
+STAGE = 3  # an op kind of interleaved placements only: copy [start, stop) user -> shared
+
+
+def interleave(program: Program, rank: int, placements: list[Placement]) -> tuple[Placement, int] | None:
+    """Rank ``rank``'s placement with its input staged chunk by chunk, just before a peer reads it.
+
+    ``placements``: every rank's :func:`place` of an allreduce-like program
+    (every rank has an input and wants the result).  Direct placement stages
+    a rank's input wherever a peer reads it under ``START_FLAG`` ("my input is
+    in my buffer"), all of it before the first op, so a leaf's staged chunks
+    are written long before its parent reads them: on CPU, out of the cache
+    by then (each rank's stage is two quarters of the message).  Here each
+    such region (a *staged key*) gets a flag of its own, numbered after the
+    program's flags the same way on every rank; the owner copies the region
+    into its shared buffer and posts that flag right before its first op of
+    the pipeline step at which a peer first reads it (or earlier, where its
+    own first write of the region or another reader's post needs it), and the
+    readers wait for that flag instead of ``START_FLAG``.
+
+    Why it stays correct and deadlock-free: a reader of the region sees, as
+    before, the owner's input (the copy precedes the post it waits for, and
+    the owner's later writes of the region are ordered after the read by the
+    checked program's own flags, unchanged); the owner's first write of the
+    region finds it staged.  The owner's ops are sorted by step and the
+    reader's op has step ``s``; the post comes after the owner's ops of steps
+    below ``s`` only, which wait for posts of smaller steps only, so the
+    program's step rule still orders every wait after its post.
+
+    Returns the placement and the flags every rank needs (the program's and
+    one per staged key), or None (keep the placements as they are, on every rank alike) when
+    a placement is not direct, an op list is not sorted by step, or a read
+    under ``START_FLAG`` is not of a staged key.
+    """
+    n = program.nranks
+    if len(placements) != n or not all(p.direct for p in placements):
+        return None
+    for ops in program.ranks:
+        if any(ops[i].step > ops[i + 1].step for i in range(len(ops) - 1)):
+            return None
+    # Each rank's staged keys: regions read under flag 0, with the smallest step of a reader.
+    first_step: list[dict[tuple[int, int], int]] = [{} for _ in range(n)]
+    for r, ops in enumerate(program.ranks):
+        for o in ops:
+            if o.kind in ("copy", "reduce") and o.flag == 0 and o.count > 0:
+                key = (o.offset, o.offset + o.count)
+                if not any(a <= key[0] and key[1] <= b for a, b in placements[o.peer].stage_in):
+                    return None
+                seen = first_step[o.peer].get(key)
+                first_step[o.peer][key] = o.step if seen is None else min(seen, o.step)
+            elif o.kind not in ("copy", "reduce", "post"):
+                return None
+    base = max(program.nflags) if program.nflags else 0
+    flag_of: list[dict[tuple[int, int], int]] = []
+    for r in range(n):
+        order = sorted(first_step[r], key=lambda k: (first_step[r][k], k))
+        flag_of.append({k: base + i for i, k in enumerate(order)})
+    mine = program.ranks[rank]
+    own = flag_of[rank]
+    if not own and not any(flag_of):
+        return None
+    # Where each own staged key must be in place: before the first op of the reader's step,
+    # before this rank's first write of it, before any post another reader of it waits for.
+    post_at: dict[int, int] = {}
+    for i, o in enumerate(mine):
+        if o.kind == "post":
+            post_at.setdefault(o.flag, i)
+    pos = {k: len(mine) for k in own}
+    for k, s in first_step[rank].items():
+        for i, o in enumerate(mine):
+            if o.step >= s:
+                pos[k] = i
+                break
+    for i, o in enumerate(mine):
+        key = (o.offset, o.offset + o.count)
+        if o.kind != "post" and key in pos:
+            pos[key] = min(pos[key], i)
+    for r, ops in enumerate(program.ranks):
+        if r == rank:
+            continue
+        for o in ops:
+            key = (o.offset, o.offset + o.count)
+            if o.kind != "post" and o.peer == rank and o.flag != 0 and key in pos:
+                if o.flag not in post_at:
+                    return None
+                pos[key] = min(pos[key], post_at[o.flag])
+    at: dict[int, list[tuple[int, int]]] = {}
+    for k in sorted(own, key=lambda k: (pos[k], own[k])):
+        at.setdefault(pos[k], []).append(k)
+    out = []
+    placed = placements[rank].ops
+    for i, row in enumerate(placed):
+        for a, b in at.get(i, ()):
+            out.append((STAGE, -1, 0, a, b, USER, SHARED))
+            out.append((2, -1, own[(a, b)], a, b, SHARED, SHARED))
+        kind, peer, flag, start, stop, src, dst = row
+        if kind != 2 and flag == 0:
+            flag = flag_of[peer].get((start, stop), 0)
+        out.append((kind, peer, flag, start, stop, src, dst))
+    for a, b in at.get(len(placed), ()):
+        out.append((STAGE, -1, 0, a, b, USER, SHARED))
+        out.append((2, -1, own[(a, b)], a, b, SHARED, SHARED))
+    rest = _subtract_keys(placements[rank].stage_in, set(own))
+    nflags = base + max(len(f) for f in flag_of)
+    return Placement(tuple(out), rest, placements[rank].stage_out, True), nflags
+
+
+def _subtract_keys(regions: tuple[tuple[int, int], ...], cut: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    cuts = sorted(cut)
+    for a, b in regions:
+        p = a
+        for c, d in cuts:
+            if d <= p or c >= b:
+                continue
+            if c > p:
+                out.append((p, c))
+            p = max(p, d)
+        if p < b:
+            out.append((p, b))
+    return tuple(out)

@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 from .placement import SHARED, Placement
 
-__all__ = ["BLOCK_BYTES", "STEP_COPY", "STEP_POST", "STEP_REDUCE", "Step", "Steps", "fuse"]
+__all__ = ["BLOCK_BYTES", "STEP_COPY", "STEP_POST", "STEP_REDUCE", "STEP_STAGE", "Step", "Steps", "fuse"]
 
-STEP_COPY, STEP_REDUCE, STEP_POST = 0, 1, 2  # the placement's op kinds
+STEP_COPY, STEP_REDUCE, STEP_POST, STEP_STAGE = 0, 1, 2, 3  # the placement's op kinds (STAGE: placement.STAGE)
 BLOCK_BYTES = 128 << 10  # a block of every operand fits a core's L2 with room to spare
 
 
@@ -110,7 +110,7 @@ def fuse(pl: Placement, fuse_chains: bool = True) -> Steps:
     i = 0
     while i < len(ops):
         kind, peer, flag, start, stop, src, dst = ops[i]
-        if kind == STEP_POST:
+        if kind == STEP_POST or kind == STEP_STAGE:
             steps.append(Step(kind, (), (flag,), start, stop, src, dst, False, 0))
             i += 1
             continue
@@ -133,7 +133,7 @@ def fuse(pl: Placement, fuse_chains: bool = True) -> Steps:
         # Dual writes: the last write of a region whose final value is in the shared buffer.
         last: dict[tuple[int, int], int] = {}
         for k, s in enumerate(steps):
-            if s.kind != STEP_POST and s.stop > s.start:
+            if s.kind != STEP_POST and s.kind != STEP_STAGE and s.stop > s.start:
                 last[(s.start, s.stop)] = k
         dual: set[tuple[int, int]] = set()
         for region, k in last.items():
