@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from ..schedule.program import Program
 
-__all__ = ["Placement", "place", "plain", "interleave", "SHARED", "STAGE", "USER"]
+__all__ = ["SHARED", "STAGE", "USER", "Placement", "interleave", "place", "plain", "subtract"]
 
 SHARED, USER = 0, 1
 
@@ -309,12 +309,13 @@ def interleave(program: Program, rank: int, placements: list[Placement]) -> tupl
     for a, b in at.get(len(placed), ()):
         out.append((STAGE, -1, 0, a, b, USER, SHARED))
         out.append((2, -1, own[(a, b)], a, b, SHARED, SHARED))
-    rest = _subtract_keys(placements[rank].stage_in, set(own))
+    rest = subtract(placements[rank].stage_in, set(own))
     nflags = base + max(len(f) for f in flag_of)
     return Placement(tuple(out), rest, placements[rank].stage_out, True), nflags
 
 
-def _subtract_keys(regions: tuple[tuple[int, int], ...], cut: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+def subtract(regions: tuple[tuple[int, int], ...], cut: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``regions`` (sorted, disjoint) minus the intervals of ``cut``."""
     out: list[tuple[int, int]] = []
     cuts = sorted(cut)
     for a, b in regions:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .placement import SHARED, Placement
+from .placement import SHARED, Placement, subtract
 
 __all__ = ["BLOCK_BYTES", "STEP_COPY", "STEP_POST", "STEP_REDUCE", "STEP_STAGE", "Step", "Steps", "fuse"]
 
@@ -79,23 +79,6 @@ class Steps:
     steps: tuple[Step, ...]
     stage_in: tuple[tuple[int, int], ...]
     stage_out: tuple[tuple[int, int], ...]
-
-
-def _subtract(regions: tuple[tuple[int, int], ...], cut: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """``regions`` (sorted, disjoint) minus the intervals of ``cut``."""
-    out: list[tuple[int, int]] = []
-    cuts = sorted(cut)
-    for a, b in regions:
-        pos = a
-        for c, d in cuts:
-            if d <= pos or c >= b:
-                continue
-            if c > pos:
-                out.append((pos, c))
-            pos = max(pos, d)
-        if pos < b:
-            out.append((pos, b))
-    return tuple(out)
 
 
 def _covered(region: tuple[int, int], regions: tuple[tuple[int, int], ...]) -> bool:
@@ -145,5 +128,5 @@ def fuse(pl: Placement, fuse_chains: bool = True) -> Steps:
             if both:
                 dual.add(region)
         if dual:
-            stage_out = _subtract(pl.stage_out, dual)
+            stage_out = subtract(pl.stage_out, dual)
     return Steps(tuple(steps), pl.stage_in, stage_out)

@@ -14,7 +14,7 @@ from test_runtime_support import hand_planner, run_loopback
 from blink_horovod.runtime import executor as executor_mod
 from blink_horovod.runtime import steps as steps_mod
 from blink_horovod.runtime.dtypes import DTYPES, OPS
-from blink_horovod.runtime.placement import SHARED, place
+from blink_horovod.runtime.placement import SHARED, place, subtract
 from blink_horovod.runtime.steps import STEP_POST, STEP_REDUCE, fuse
 from blink_horovod.schedule import compile_program
 from blink_horovod.topology.machines import cpu
@@ -50,8 +50,8 @@ def test_unfused_steps_are_the_placed_ops() -> None:
 
 
 def test_subtract_regions() -> None:
-    assert steps_mod._subtract(((0, 10), (20, 30)), {(0, 5), (22, 30)}) == ((5, 10), (20, 22))
-    assert steps_mod._subtract(((0, 10),), {(0, 10)}) == ()
+    assert subtract(((0, 10), (20, 30)), {(0, 5), (22, 30)}) == ((5, 10), (20, 22))
+    assert subtract(((0, 10),), {(0, 10)}) == ()
 
 
 @pytest.mark.parametrize("shape,trees", [("star", 1), ("chain", 2)])
