@@ -100,9 +100,9 @@ def test_an_ended_thread_is_dropped(parked_thread):
 def test_the_executor_idles_them_during_its_collectives(parked_thread):
     if not background.can_restore():
         pytest.skip("no CAP_SYS_NICE")
+    from test_runtime_support import run_loopback
+
     from blink_horovod.runtime import executor as executor_mod
-    from blink_horovod.runtime.communicator import Communicator
-    from blink_horovod.runtime.loopback import LoopbackWorld
 
     seen: list[int] = []
     originals = {n: getattr(executor_mod.Executor, n) for n in ("_collective", "_eager_collective")}
@@ -115,20 +115,9 @@ def test_the_executor_idles_them_during_its_collectives(parked_thread):
 
     for n in originals:
         setattr(executor_mod.Executor, n, spy(n))
+    out = [np.arange(1 << 16, dtype=np.float32) + r for r in range(2)]  # eager (small) and program paths
     try:
-        world = LoopbackWorld(2)
-        out = [np.arange(1 << 16, dtype=np.float32) + r for r in range(2)]  # eager (small) and program paths
-
-        def rank(r: int) -> None:
-            comm = Communicator(r, 2, None, None, transport=world.transport(r))
-            comm.allreduce(out[r])
-            comm.close()
-
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_loopback(2, lambda r, comm: comm.allreduce(out[r]), eager=True, join_timeout=60)
     finally:
         for n, fn in originals.items():
             setattr(executor_mod.Executor, n, fn)

@@ -78,25 +78,10 @@ def test_no_open_mpi_in_the_process_is_a_no_op(monkeypatch):
 
 
 def test_the_executor_yields_during_its_collectives(fake_setter):
-    from blink_horovod.runtime.communicator import Communicator
-    from blink_horovod.runtime.loopback import LoopbackWorld
-    import threading
+    from test_runtime_support import run_loopback
 
-    world = LoopbackWorld(2)
-    seen: list[bool] = []
     out: list[np.ndarray] = [np.arange(8, dtype=np.float32) + r for r in range(2)]
-
-    def rank(r: int) -> None:
-        comm = Communicator(r, 2, None, None, transport=world.transport(r))
-        comm.allreduce(out[r])
-        seen.append(fake_setter["value"])
-        comm.close()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_loopback(2, lambda r, comm: comm.allreduce(out[r]), eager=True, join_timeout=60)
     assert True in fake_setter["calls"]
     assert fake_setter["value"] is False  # back after the last collective
     assert np.array_equal(out[0], np.arange(8, dtype=np.float32) * 2 + 1)
