@@ -48,10 +48,10 @@ from ..dtypes import check_op, numpy_dtype
 from ..executor import Piece
 from ..transport import STATE_CLOSED, W_STATE, Transport, WaitContext
 from .device import device_pointer
-from .fused import ARGS_SLOT, META_WORDS, PERSISTENT_SLOTS, STOP_BIT
+from .fused import ARGS_SLOT, META_WORDS, PERSISTENT_IDLE_S, PERSISTENT_SLOTS, STOP_BIT
 from .lowering import DONE_WORD, RESIDUES, Lowered, epoch_value, lower, plain_runs
 
-__all__ = ["GPU_MAX_PIECE_BYTES", "PERSISTENT_IDLE_S", "GpuExecutor"]
+__all__ = ["GPU_MAX_PIECE_BYTES", "GpuExecutor"]
 
 log = logging.getLogger("blink_horovod.runtime")
 
@@ -61,9 +61,6 @@ _INITIAL_WORDS = 4096
 _PAGE = 4096
 _SENT = 16  # launches whose metadata payload is kept for a device-found mismatch
 _BELLS = 256  # bell words of persistent launches (a ring: one word per launch)
-# A persistent kernel leaves after this long with nothing rung (fused.py says why); the host rings without
-# a check while its last ring is younger than half of it, or the kernel still has work rung before.
-PERSISTENT_IDLE_S = 0.002
 
 
 class _Segment:
@@ -530,18 +527,16 @@ class GpuExecutor:
                 self.cuda.destroy_exec(old)
 
     def _launch_fused(self, exe: int, residue: int, user: int, stream: int, ctx: WaitContext) -> None:
-        """Host work of one fused piece: one CUDA call.  The kernel posts the end of its epoch in mapped
-        host memory (``_err_view[1]``), so no event is recorded or queried: the argument slot of
-        ``epoch - 3`` is free once that word reached it, and a launch on another stream than the last
-        waits for the last epoch (a rank's programs must run one after the other)."""
+        """Host work of one fused piece: one CUDA call (a persistent kernel: a ring, :meth:`_ring`).  The
+        kernel posts the end of its epoch in mapped host memory (``_err_view[1]``), so no event is recorded
+        or queried: the argument slot of ``epoch - slots`` is free once that word reached it, and a launch
+        on another stream than the last waits for the last epoch (a rank's programs must run one after the
+        other; a persistent kernel runs its epochs in order anyway)."""
         done = self._err_view
         need = self.epoch - self._slots
         if self._last_stream is not None and stream != self._last_stream and not self._persistent:
             need = self.epoch - 1
-        if int(done[1]) < need:
-            w0 = time.perf_counter()
-            self._wait_until(lambda: int(done[1]) >= need, ctx, f"collective {need} on this rank's GPU")
-            self._waited += time.perf_counter() - w0
+        self._timed_wait(lambda: int(done[1]) >= need, ctx, f"collective {need} on this rank's GPU")
         slot = (ARGS_SLOT // 8) * (self.epoch % self._slots)  # the residue, but for persistent kernels
         view = self._args_view
         view[slot] = user
@@ -564,48 +559,41 @@ class GpuExecutor:
         order, so a collective on another stream needs no wait for the last one.  A new program first
         stops the running kernel (it exits after the epochs rung on it) and starts its own behind it."""
         c = self.cuda
-        if not c.stream_done(stream):
-            w0 = time.perf_counter()
-            self._wait_until(lambda: c.stream_done(stream), ctx, "the work queued before it on the caller's stream")
-            self._waited += time.perf_counter() - w0
+        self._timed_wait(lambda: c.stream_done(stream), ctx, "the work queued before it on the caller's stream")
         run = self._running
         epoch = self.epoch
         if run is None or run[0] is not exe:
-            run = self._start_persistent(exe, ctx)
-            self._bells_view[run[1]] = epoch
+            self._start_persistent(exe, ctx)
+            now = time.perf_counter()
         else:
             prev = self._rung
             self._bells_view[run[1]] = epoch
+            now = time.perf_counter()
             # Taken for sure if the kernel was still busy with an earlier epoch after this store (it reads
             # the bell again when done), or if it cannot have idled half its limit yet; else see which.
-            if time.perf_counter() - self._rung_at >= PERSISTENT_IDLE_S / 2 and int(self._err_view[1]) >= prev:
+            if now - self._rung_at >= PERSISTENT_IDLE_S / 2 and int(self._err_view[1]) >= prev:
                 self._confirm_ring(exe, run, epoch, ctx)
-        self._rung, self._rung_at = epoch, time.perf_counter()
+        self._rung, self._rung_at = epoch, now
 
     def _confirm_ring(self, exe: Any, run: tuple[Any, int], epoch: int, ctx: WaitContext) -> None:
         """The kernel either acknowledges ``epoch`` (err[3]) or has left idle (err[2] holds its first
         epoch) without it; then a new launch takes it."""
         err, first = self._err_view, self._bell_first[run[1]]
-        if int(err[3]) < epoch:
-            w0 = time.perf_counter()
-            self._wait_until(lambda: int(err[3]) >= epoch or int(err[2]) >= first, ctx, "a persistent kernel's answer")
-            self._waited += time.perf_counter() - w0
+        self._timed_wait(lambda: int(err[3]) >= epoch or int(err[2]) >= first, ctx, "a persistent kernel's answer")
         if int(err[3]) < epoch:
             self._running = None
-            run = self._start_persistent(exe, ctx)
-            self._bells_view[run[1]] = epoch
+            self._start_persistent(exe, ctx)
 
-    def _start_persistent(self, exe: Any, ctx: WaitContext) -> tuple[Any, int]:
+    def _start_persistent(self, exe: Any, ctx: WaitContext) -> None:
+        """Launch ``exe`` behind the running kernel (stopped first) with the current epoch rung."""
         self._stop_persistent()
         k = self._launches
         slot = k % _BELLS
         old = self._bell_first[slot]
         done = self._err_view
-        if k >= _BELLS and int(done[2]) < old:  # the launch that had this word has not left yet (rare)
-            w0 = time.perf_counter()
-            self._wait_until(lambda: int(done[2]) >= old, ctx, "an earlier persistent launch to exit")
-            self._waited += time.perf_counter() - w0
-        self._bells_view[slot] = 0
+        if k >= _BELLS:  # the launch that had this word must have left (rare wait)
+            self._timed_wait(lambda: int(done[2]) >= old, ctx, "an earlier persistent launch to exit")
+        self._bells_view[slot] = self.epoch
         if self._pstream is None:
             self._pstream = self.cuda.stream()
         exe.start(self._pstream.ptr, self._bells_host + 8 * slot, self.epoch)
@@ -613,7 +601,6 @@ class GpuExecutor:
         self._launches = k + 1
         self._running = (exe, slot)
         self._last_stream = self._pstream.ptr
-        return self._running
 
     def _stop_persistent(self) -> None:
         """Tell the running persistent kernel to exit once the epochs rung on it are done."""
@@ -628,10 +615,8 @@ class GpuExecutor:
             self._launch_fused(exe, residue, user, stream, ctx)
             return
         ev = self._slot_event[residue]
-        if self._slot_used[residue] and not self.cuda.done(ev):
-            w0 = time.perf_counter()
-            self._wait_event(ev, ctx, "the collective launched three pieces ago")
-            self._waited += time.perf_counter() - w0
+        if self._slot_used[residue]:
+            self._timed_wait(lambda: self.cuda.done(ev), ctx, "the collective launched three pieces ago")
         self._args_view[(ARGS_SLOT // 8) * residue] = user
         if self._last_event is not None:
             # Graphs of one rank must run in launch order (the barrier's three residues rely on it).
@@ -715,6 +700,15 @@ class GpuExecutor:
             self._last_event = self._slot_event[0]
         if self._last_event is not None:
             self._wait_event(self._last_event, ctx, "earlier collectives")
+
+    def _timed_wait(self, ready: Callable[[], bool], ctx: WaitContext, what: str) -> None:
+        """:meth:`_wait_until`, its time added to ``_waited`` (reported apart from host work); nothing
+        when ``ready()`` already holds, the usual case."""
+        if ready():
+            return
+        w0 = time.perf_counter()
+        self._wait_until(ready, ctx, what)
+        self._waited += time.perf_counter() - w0
 
     def _wait_event(self, ev: int, ctx: WaitContext, what: str) -> None:
         """Poll ``ev`` until done; between polls check the peers and the deadline."""

@@ -62,6 +62,7 @@ __all__ = [
     "ARGS_SLOT",
     "CMD_WORDS",
     "META_WORDS",
+    "PERSISTENT_IDLE_S",
     "PERSISTENT_SLOTS",
     "STOP_BIT",
     "STRIPE",
@@ -87,6 +88,9 @@ _KIND = {v: k for k, v in _CODE.items()}
 _ACCEPT_BIAS = 4  # accept offset d is bit d + 4 (d in -4..4)
 STOP_BIT = 1 << 63  # in a persistent launch's bell word: exit once every epoch rung is done
 PERSISTENT_SLOTS = 1024  # argument slots of a persistent kernel (epoch e reads slot e % PERSISTENT_SLOTS)
+# A persistent kernel leaves after this long with nothing rung (the kernel's comment says why); the executor
+# rings without a check while its last ring is younger than half of it, or the kernel still has earlier work.
+PERSISTENT_IDLE_S = 0.002
 
 
 def encode(lw: Lowered, flags: Sequence[int], data: Sequence[int], flag_words: int, itemsize: int) -> np.ndarray:
@@ -553,8 +557,6 @@ class FusedProgram:
         """The persistent kernel of this program for (dtype, op) (``args_host``: argument slot 0)."""
         hit = self._persistent.get((dtype, op))
         if hit is None:
-            from .executor import PERSISTENT_IDLE_S
-
             fn = module.get_function(persistent_name(dtype, op))
             average_n = self.lw.nranks if op == "average" else 0
             hit = self._persistent[(dtype, op)] = PersistentLaunch(
