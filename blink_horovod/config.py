@@ -136,9 +136,11 @@ class Config:
     background_idle: bool = True
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
+def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     raw = env.get(name, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
+    if not raw:
+        return default
+    if raw in ("0", "false", "no", "off"):
         return False
     if raw in ("1", "true", "yes", "on"):
         return True
@@ -217,6 +219,6 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         fault=_fault(env),
         gpu_flags=gpu_flags,
         gpu_launch=gpu_launch,
-        mpi_yield=_flag(env, BLINK_MPI_YIELD) if env.get(BLINK_MPI_YIELD, "").strip() else True,
-        background_idle=_flag(env, BLINK_BACKGROUND_IDLE) if env.get(BLINK_BACKGROUND_IDLE, "").strip() else True,
+        mpi_yield=_flag(env, BLINK_MPI_YIELD, default=True),
+        background_idle=_flag(env, BLINK_BACKGROUND_IDLE, default=True),
     )
