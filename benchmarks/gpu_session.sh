@@ -147,6 +147,8 @@ for how in graph persistent; do
     step lat-n2-$how-sleep 40 "${MPI[@]}" -np 2 $PY "${PERF[@]}" "${FUSED[@]}" --fused-launch $how -b 4 -e 1M -f 16 \
         -n 100 --spin-s 0 --dtype float32 --json "$R/lat-n2-$how-sleep.json" --time-limit 30
 done
+# what one GPU read of mapped host memory costs (the small-message suspect, docs/gpu-runtime.md)
+step mapped-probe 40 $PY benchmarks/gpu_mapped_probe.py --json "$R/mapped-probe.json"
 step persist-tests 300 env BLINK_GPU_FLAGS=fused BLINK_GPU_LAUNCH=persistent $PY -m pytest -v -p no:cacheprovider -rs -s \
     tests/parallel/test_gpu_collectives.py ${TESTS_K:+-k "$TESTS_K"}
 step threads-fused 45 $PY "${PERF[@]}" --threads 2 --flag-ops fused --topology dgx1v -b 4 -e 64M -f 8 -n 10 \
