@@ -46,7 +46,7 @@ from .dtypes import finish_average, numpy_dtype, reduce_to
 from .faults import FaultInjector
 from .background import idled
 from .mpi_yield import yielding
-from .placement import STAGE, Placement, interleave, place, plain
+from .placement import COPY, POST, STAGE, Placement, interleave, place, plain
 from .steps import BLOCK_BYTES, STEP_COPY, STEP_POST, STEP_STAGE, Steps, fuse
 from .transport import STATE_ABORTED, W_STATE, Transport, WaitContext
 
@@ -54,7 +54,6 @@ __all__ = ["Run", "Piece", "Executor"]
 
 Run = tuple[int, int, int]  # (offset in the user's array, offset in the buffer, elements)
 
-_COPY, _REDUCE, _POST = 0, 1, 2
 _PLACE = True  # direct placement; False only to measure what it saves
 _FUSE = True  # fused steps (runtime.steps); False only to measure what they save
 _INTERLEAVE = True  # allreduce inputs staged chunk by chunk (placement.interleave); False only to measure it
@@ -423,7 +422,7 @@ class Executor:
         base = t.flag_base
         load = t.load
         for kind, peer, flag, start, stop, src_loc, dst_loc in pl.ops:
-            if kind == _POST:
+            if kind == POST:
                 t.store(base + flag, epoch)
                 continue
             if kind == STAGE:
@@ -434,7 +433,7 @@ class Executor:
             if faults is not None:
                 faults.before_op()
             dst = where[dst_loc][start:stop]
-            if kind == _COPY:
+            if kind == COPY:
                 dst[...] = views[peer][start:stop]
             else:
                 reduce_to(dst, where[src_loc][start:stop], views[peer][start:stop], op, dtype)

@@ -38,9 +38,14 @@ from dataclasses import dataclass
 
 from ..schedule.program import Program
 
-__all__ = ["SHARED", "STAGE", "USER", "Placement", "interleave", "place", "plain", "subtract"]
+__all__ = ["COPY", "POST", "REDUCE", "SHARED", "STAGE", "USER", "Placement", "interleave", "place", "plain",
+           "subtract"]
 
 SHARED, USER = 0, 1
+# Op kinds of a placement row (the fused steps and the executor use the same codes); STAGE only in
+# interleaved placements: copy [start, stop) user -> shared.
+COPY, REDUCE, POST, STAGE = 0, 1, 2, 3
+_KINDS = {"copy": COPY, "reduce": REDUCE, "post": POST}
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class Placement:
     """One rank's ops with value locations, and its staging regions.
 
     ``ops`` rows: ``(kind, peer, flag, start, stop, src_loc, dst_loc)`` with
-    kind 0 copy, 1 reduce, 2 post; for a reduce ``src_loc`` is where the
+    kind COPY, REDUCE, POST (or STAGE, :func:`interleave`); for a reduce ``src_loc`` is where the
     current value of the region is (SHARED or USER), ``dst_loc`` where the
     result goes; for a copy only ``dst_loc`` matters.
     """
@@ -72,7 +77,7 @@ def _merge(regions: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 
 def _kind(k: str) -> int:
-    return {"copy": 0, "reduce": 1, "post": 2}[k]
+    return _KINDS[k]
 
 
 def plain(program: Program, rank: int, has_input: bool, wants_output: bool) -> Placement:
@@ -151,7 +156,7 @@ def place(program: Program, rank: int, has_input: bool, wants_output: bool) -> P
     ops = []
     for i, o in enumerate(mine):
         k = _kind(o.kind)
-        if k == 2 or o.count == 0:
+        if k == POST or o.count == 0:
             ops.append((k, o.peer, o.flag, o.offset, o.offset + o.count, SHARED, SHARED))
         else:
             ops.append((k, o.peer, o.flag, o.offset, o.offset + o.count, src_loc[i], dst_loc[i]))
@@ -207,8 +212,6 @@ def _receiver(program: Program, rank: int) -> Placement:
     )
     return Placement(ops, (), _merge(stage_out), True)
 
-
-STAGE = 3  # an op kind of interleaved placements only: copy [start, stop) user -> shared
 
 
 def interleave(program: Program, rank: int, placements: list[Placement]) -> tuple[Placement, int] | None:
@@ -266,7 +269,7 @@ def interleave(program: Program, rank: int, placements: list[Placement]) -> tupl
         flag_of.append({k: base + i for i, k in enumerate(order)})
     mine = program.ranks[rank]
     own = flag_of[rank]
-    if not own and not any(flag_of):
+    if not any(flag_of):
         return None
     # Where each own staged key must be in place: before the first op of the reader's step,
     # before this rank's first write of it, before any post another reader of it waits for.
@@ -298,17 +301,16 @@ def interleave(program: Program, rank: int, placements: list[Placement]) -> tupl
         at.setdefault(pos[k], []).append(k)
     out = []
     placed = placements[rank].ops
-    for i, row in enumerate(placed):
-        for a, b in at.get(i, ()):
+    for i in range(len(placed) + 1):
+        for a, b in at.get(i, ()):  # stage the key, then post its flag
             out.append((STAGE, -1, 0, a, b, USER, SHARED))
-            out.append((2, -1, own[(a, b)], a, b, SHARED, SHARED))
-        kind, peer, flag, start, stop, src, dst = row
-        if kind != 2 and flag == 0:
+            out.append((POST, -1, own[(a, b)], a, b, SHARED, SHARED))
+        if i == len(placed):
+            break
+        kind, peer, flag, start, stop, src, dst = placed[i]
+        if kind != POST and flag == 0:
             flag = flag_of[peer].get((start, stop), 0)
         out.append((kind, peer, flag, start, stop, src, dst))
-    for a, b in at.get(len(placed), ()):
-        out.append((STAGE, -1, 0, a, b, USER, SHARED))
-        out.append((2, -1, own[(a, b)], a, b, SHARED, SHARED))
     rest = subtract(placements[rank].stage_in, set(own))
     nflags = base + max(len(f) for f in flag_of)
     return Placement(tuple(out), rest, placements[rank].stage_out, True), nflags

@@ -45,11 +45,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .placement import SHARED, Placement, subtract
+from .placement import COPY, POST, REDUCE, SHARED, STAGE, Placement, subtract
 
 __all__ = ["BLOCK_BYTES", "STEP_COPY", "STEP_POST", "STEP_REDUCE", "STEP_STAGE", "Step", "Steps", "fuse"]
 
-STEP_COPY, STEP_REDUCE, STEP_POST, STEP_STAGE = 0, 1, 2, 3  # the placement's op kinds (STAGE: placement.STAGE)
+STEP_COPY, STEP_REDUCE, STEP_POST, STEP_STAGE = COPY, REDUCE, POST, STAGE  # the placement's op kinds
 BLOCK_BYTES = 128 << 10  # a block of every operand fits a core's L2 with room to spare
 
 
