@@ -713,8 +713,6 @@ class GpuExecutor:
     def _wait_event(self, ev: int, ctx: WaitContext, what: str) -> None:
         """Poll ``ev`` until done; between polls check the peers and the deadline."""
         c = self.cuda
-        if c.done(ev):
-            return
         self._wait_until(lambda: c.done(ev), ctx, what)
 
     def _wait_until(self, ready: Callable[[], bool], ctx: WaitContext, what: str) -> None:
