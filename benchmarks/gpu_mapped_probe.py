@@ -67,7 +67,9 @@ def main() -> None:
     words = 4096
     nbytes = words * LINE
     hptr = int(rt.hostAlloc(nbytes, rt.hostAllocPortable | rt.hostAllocMapped))
-    hdev = int(rt.hostGetDevicePointer(hptr, 0))
+    # CuPy's runtime module has no cudaHostGetDevicePointer; the pointer attributes give the same
+    # device address (under unified addressing it equals the host address).
+    hdev = int(rt.pointerGetAttributes(hptr).devicePointer)
     host = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint64 * (nbytes // 8)).from_address(hptr))
     build_chain(host, hdev, words)
     dbuf = cp.zeros(nbytes // 8, dtype=cp.uint64)

@@ -32,6 +32,7 @@ __all__ = [
     "GPU_FLAG_MODES",
     "BLINK_MPI_YIELD",
     "BLINK_BACKGROUND_IDLE",
+    "BLINK_STREAM_COPY",
     "BLINK_GPU_LAUNCH",
     "GPU_LAUNCH_MODES",
     "ALL_VARIABLES",
@@ -79,6 +80,11 @@ BLINK_MPI_YIELD = "BLINK_MPI_YIELD"
 # give it back (CAP_SYS_NICE or RLIMIT_NICE >= 20, probed once), else never touched
 # (runtime/background.py).  1 (default) or 0.
 BLINK_BACKGROUND_IDLE = "BLINK_BACKGROUND_IDLE"
+# The CPU runtime's large chunk copies (staging into the shared segment, results into the caller's tensor)
+# use streaming stores from a small C function compiled on first use (runtime/streamcopy.py): a plain copy
+# reads each destination line before writing it, a streamed one does not, and the CPU runtime is bound by
+# memory bandwidth.  1 (default; numpy's copies where no C compiler is found) or 0 (numpy's copies).
+BLINK_STREAM_COPY = "BLINK_STREAM_COPY"
 
 ALL_VARIABLES = (
     BLINK_ENABLE,
@@ -94,6 +100,7 @@ ALL_VARIABLES = (
     BLINK_GPU_LAUNCH,
     BLINK_MPI_YIELD,
     BLINK_BACKGROUND_IDLE,
+    BLINK_STREAM_COPY,
 )
 
 # blinkrun flag -> variable (one-to-one, as Horovod's launcher argument groups).
@@ -134,6 +141,7 @@ class Config:
     gpu_launch: str = "graph"
     mpi_yield: bool = True
     background_idle: bool = True
+    stream_copy: bool = True
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
@@ -221,4 +229,5 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         gpu_launch=gpu_launch,
         mpi_yield=_flag(env, BLINK_MPI_YIELD, default=True),
         background_idle=_flag(env, BLINK_BACKGROUND_IDLE, default=True),
+        stream_copy=_flag(env, BLINK_STREAM_COPY, default=True),
     )

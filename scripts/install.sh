@@ -300,6 +300,9 @@ else
 fi
 "$PY" -c 'import blink_horovod, os; print("[install]   blink_horovod ->", os.path.dirname(blink_horovod.__file__))' \
     || die "blink_horovod does not import from .venv"
+# The C twins of hot loops (simulator event loop, CPU streaming copies), built ahead so the first job
+# does not compile them in every rank; without a compiler both fall back to Python/numpy.
+"$PY" -m blink_horovod.cbuild 2>&1 | sed 's/^/[install]   /' || true
 
 if [ "$SKIP_HVD" = 1 ]; then hv=skipped; else hv=built; fi
 # Keep a "built" stamp when a skip-run follows a full install (horovod is still there).

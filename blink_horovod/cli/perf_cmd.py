@@ -585,6 +585,11 @@ def _header(job: _Job, a: _Args, pids: list, hosts: list) -> list[str]:
         chunk = "BLINK_CHUNK_BYTES" if job.comm.config.chunk_bytes else "MIAD"
         lines.append(f"# Blink: topology {topo.name} ({topo.n} ranks per server), chunk size: {chunk}; "
                      f"types: {', '.join(NCCL_NAMES[d] for d in a.dtypes)}")
+        if a.device == "cpu":
+            from ..runtime import streamcopy
+
+            copies = streamcopy.status() if job.comm.config.stream_copy else "numpy copies (BLINK_STREAM_COPY=0)"
+            lines.append(f"# Blink CPU chunk copies: {copies}")
     lines.append("#")
     # nccl-tests' three header lines (src/common.cu): group titles over 32-character column
     # groups where nccl-tests writes out-of-place / in-place, then names and units.

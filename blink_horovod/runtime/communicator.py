@@ -182,7 +182,8 @@ class Communicator:
                                          fault=self.config.fault)
         elif transport is not None:
             self._executor = Executor(transport, self.config.timeout_seconds, self.config.stall_check_seconds,
-                                      self.config.fault, self.config.mpi_yield, self.config.background_idle)
+                                      self.config.fault, self.config.mpi_yield, self.config.background_idle,
+                                      self.config.stream_copy)
 
     def _make_transport(self) -> Transport:
         from .shm import ShmTransport

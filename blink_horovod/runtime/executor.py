@@ -47,6 +47,7 @@ from .faults import FaultInjector
 from .background import idled
 from .mpi_yield import yielding
 from .placement import COPY, POST, STAGE, Placement, interleave, place, plain
+from .streamcopy import Copier
 from .steps import BLOCK_BYTES, STEP_COPY, STEP_POST, STEP_STAGE, Steps, fuse
 from .transport import STATE_ABORTED, W_STATE, Transport, WaitContext
 
@@ -109,11 +110,15 @@ class Executor:
     background_idle : bool
         ``BLINK_BACKGROUND_IDLE``: while a collective runs, the threads Horovod's
         init started run at idle priority (:mod:`blink_horovod.runtime.background`).
+    stream_copy : bool
+        ``BLINK_STREAM_COPY``: large chunk copies use streaming stores
+        (:mod:`blink_horovod.runtime.streamcopy`).
     """
 
     def __init__(self, transport: Transport, timeout: float, stall: float, fault: str | None = None,
-                 mpi_yield: bool = True, background_idle: bool = True) -> None:
+                 mpi_yield: bool = True, background_idle: bool = True, stream_copy: bool = True) -> None:
         self.t = transport
+        self.copier = Copier(stream_copy)
         self.mpi_yield = mpi_yield
         self.background_idle = background_idle
         self.rank = transport.rank
@@ -181,6 +186,7 @@ class Executor:
             if grew:
                 self._views.clear()
             started = time.perf_counter()
+            copy = self.copier.copy
             views = self._typed_views(dtype)
             own = views[self.rank]
             prev: _Lowered | None = None
@@ -192,22 +198,22 @@ class Executor:
                 if piece.direct is not None:
                     user = arr[piece.direct : piece.direct + lw.program.count]
                     for a, b in pl.stage_in:
-                        own[a:b] = user[a:b]
+                        copy(own[a:b], user[a:b])
                     stage_out, averaged = self._run(lw, views, user, dtype, op, ctx, piece.average)
                     self.t.post_done(self.epoch)
                     for a, b in stage_out:
-                        user[a:b] = own[a:b]
+                        copy(user[a:b], own[a:b])
                     if piece.average and not averaged:
                         finish_average(user, piece.average, dtype)
                 else:
                     for a, b, n in piece.stage_in:
-                        own[b : b + n] = arr[a : a + n]
+                        copy(own[b : b + n], arr[a : a + n])
                     self._run(lw, views, own, dtype, op, ctx)
                     self.t.post_done(self.epoch)
                     if piece.average:
                         raise BlinkInternalError("average is divided by the caller of the hierarchical stages")
                     for a, b, n in piece.stage_out:
-                        arr[a : a + n] = own[b : b + n]
+                        copy(arr[a : a + n], own[b : b + n])
                 prev = lw
             self.last_run_seconds = time.perf_counter() - started
             self.last_setup_free = not (grew or fresh)
@@ -368,6 +374,7 @@ class Executor:
             self._run_ops(lw.placement, views, user, dtype, op, ctx)
             return lw.placement.stage_out, False
         t, epoch = self.t, self.epoch
+        copy, copy2 = self.copier.copy, self.copier.copy2
         where = (views[self.rank], user)  # indexed by SHARED (0) / USER (1)
         base = t.flag_base
         load = t.load
@@ -377,7 +384,7 @@ class Executor:
                 t.store(base + s.flags[0], epoch)
                 continue
             if s.kind == STEP_STAGE:
-                views[self.rank][s.start : s.stop] = user[s.start : s.stop]
+                copy(views[self.rank][s.start : s.stop], user[s.start : s.stop])
                 continue
             for peer, flag in zip(s.peers, s.flags):
                 if load(peer, base + flag) < epoch:
@@ -387,12 +394,9 @@ class Executor:
             if s.kind == STEP_COPY:
                 src = views[s.peers[0]]
                 if not s.dual:
-                    dst[start:stop] = src[start:stop]
+                    copy(dst[start:stop], src[start:stop])
                 else:
-                    for a in range(start, stop, block):
-                        b = min(stop, a + block)
-                        dst[a:b] = src[a:b]
-                        user[a:b] = dst[a:b]
+                    copy2(dst[start:stop], user[start:stop], src[start:stop])
             elif len(s.peers) == 1 and not s.dual:
                 d = dst[start:stop]
                 reduce_to(d, where[s.src_loc][start:stop], views[s.peers[0]][start:stop], op, dtype)
@@ -418,6 +422,7 @@ class Executor:
                  ctx: WaitContext) -> None:
         """Execute the placed ops one by one (the unfused path)."""
         t, epoch, faults = self.t, self.epoch, self.faults
+        copy = self.copier.copy
         where = (views[self.rank], user)  # indexed by SHARED (0) / USER (1)
         base = t.flag_base
         load = t.load
@@ -426,7 +431,7 @@ class Executor:
                 t.store(base + flag, epoch)
                 continue
             if kind == STAGE:
-                views[self.rank][start:stop] = user[start:stop]
+                copy(views[self.rank][start:stop], user[start:stop])
                 continue
             if load(peer, base + flag) < epoch:
                 t.wait_words((peer,), base + flag, epoch, ctx, f"flag {flag}")
@@ -434,7 +439,7 @@ class Executor:
                 faults.before_op()
             dst = where[dst_loc][start:stop]
             if kind == COPY:
-                dst[...] = views[peer][start:stop]
+                copy(dst, views[peer][start:stop])
             else:
                 reduce_to(dst, where[src_loc][start:stop], views[peer][start:stop], op, dtype)
             if faults is not None:
