@@ -25,8 +25,9 @@ memory once per (program, buffer generation), and one kernel interprets it:
   peers' writes.
 
 Host side: the graph is the kernel alone, one variant per epoch residue
-(:mod:`.lowering`); it reads its argument slot (user tensor address, metadata
-fingerprint, epoch) from mapped host memory, its group barriers are
+(:mod:`.lowering`); its block 0 reads the argument slot (user tensor address, metadata
+fingerprint, epoch) from mapped host memory and forwards it to the other blocks in
+device memory (host reads by every block serialise over PCIe), its group barriers are
 sense-reversing and its event words carry the epoch, so nothing is reset
 between launches, and a launch is one call whatever the number of chunks.  All groups of all ranks spin on each
 other, so they must be resident together: ``B`` is chosen so that the blocks
@@ -82,6 +83,7 @@ THREADS = 256  # threads per block
 STRIPE = 16384  # bytes of the buffer per stripe (a multiple of 16 and of every itemsize)
 CMD_WORDS = 6  # int64 words per encoded command
 ARGS_SLOT = 32  # bytes of one launch's argument slot: user pointer, metadata fingerprint, epoch, spare
+MIRROR_WORDS = 12  # u64 words at the start of a program's sync area: the argument slot's copy per residue (4 each)
 META_WORDS = 8  # flag words at the top of a rank's flag array: META, spare, 3 fingerprint slots of 2 words
 _CODE = {WAIT: 1, WRITE: 2, RESET: 3, COPY: 4, REDUCE: 5, STAGE_IN: 6, STAGE_OUT: 7, RECORD: 8, JOIN: 9}
 _KIND = {v: k for k, v in _CODE.items()}
@@ -245,15 +247,36 @@ __device__ __forceinline__ void BODY_NAME(
     const long long* flags = T + 2;
     const long long* data = T + 2 + nranks;
     const long long* c = T + T[2 + 2 * nranks + g];
-    unsigned int* bar = (unsigned int*)sync + 2 * g;  /* arrivals, generation */
-    unsigned int* ev = (unsigned int*)sync + 2 * ngroups;
+    /* sync: the argument mirrors (MIRROR_WORDS), one ``seen`` word per block, then the group barriers
+       and event words (FusedProgram lays it out). */
+    volatile blink_u64* mirror = (volatile blink_u64*)sync + 4 * (e % 3);
+    volatile blink_u64* seen = (volatile blink_u64*)sync + MIRROR_WORDS + blockIdx.x;
+    unsigned int* bar = (unsigned int*)((blink_u64*)sync + MIRROR_WORDS + gridDim.x) + 2 * g;  /* arrivals, generation */
+    unsigned int* ev = (unsigned int*)((blink_u64*)sync + MIRROR_WORDS + gridDim.x) + 2 * ngroups;
     char* own = (char*)data[rank];
     const unsigned int value = 1u << (e % 3);
-    /* The launch's argument slot lives in mapped host memory (no copy node in the graph): read once. */
+    /* The launch's argument slot lives in mapped host memory (no copy node in the graph).  Reads of it by
+       many blocks serialise across PCIe (benchmarks/gpu_mapped_probe.py on the H200: 3 loads take 2.6 us
+       in one block, 272 us when each of 132 blocks makes them), so block 0 alone reads it and forwards it
+       in device memory: this residue's mirror, its epoch word written last.  Another block takes the
+       mirror once its epoch is newer than the last epoch that block ran of this program (``seen``): epochs
+       only grow, and every block runs every epoch of the program. */
     __shared__ blink_u64 s_args[3];
     if (t == 0) {
-        const volatile blink_u64* a = (const volatile blink_u64*)args;
-        s_args[0] = a[0]; s_args[1] = a[1]; s_args[2] = a[2];
+        if (blockIdx.x == 0) {
+            const volatile blink_u64* a = (const volatile blink_u64*)args;
+            s_args[0] = a[0]; s_args[1] = a[1]; s_args[2] = a[2];
+            mirror[0] = s_args[0]; mirror[1] = s_args[1];
+            __threadfence();
+            mirror[2] = s_args[2];
+        } else {
+            const blink_u64 last = *seen;
+            blink_u64 ep;
+            while ((ep = mirror[2]) <= last) __nanosleep(32);
+            __threadfence();
+            s_args[0] = mirror[0]; s_args[1] = mirror[1]; s_args[2] = ep;
+        }
+        *seen = s_args[2];
     }
     __syncthreads();
     const unsigned int tag = (unsigned int)s_args[2];  /* event words hold their last epoch (epochs start at 1) */
@@ -476,7 +499,7 @@ def fused_source(dtype: str) -> str:
     from .kernels import KERNEL_OPS
 
     defines = {"THREADS": THREADS, "STRIPE": f"{STRIPE}ll", "CMD_WORDS": CMD_WORDS, "ARGS_SLOT": f"{ARGS_SLOT}ll",
-               "ARGS_SLOTS": f"{PERSISTENT_SLOTS}ll"}
+               "ARGS_SLOTS": f"{PERSISTENT_SLOTS}ll", "MIRROR_WORDS": MIRROR_WORDS}
     src = [element_source(dtype), "".join(f"#define {k} {v}\n" for k, v in defines.items())]
     cut = _KERNEL.index("/* One epoch of the program")
     helpers, kernel = _KERNEL[:cut], _KERNEL[cut:]
@@ -499,9 +522,10 @@ class FusedProgram:
         table = encode(lw, flags, data, flag_words, itemsize)
         self.ngroups = lw.nstreams
         self.blocks = blocks
-        # barrier and event words, then (8-aligned) the two words a persistent launch's blocks poll
+        # sync: the argument mirrors and a word per block (see the kernel), barrier and event words, then
+        # (8-aligned) the two words a persistent launch's blocks poll
         words = 2 * self.ngroups + max(1, lw.nevents)
-        self.sync_bytes = 4 * (words + words % 2) + 16
+        self.sync_bytes = 8 * (MIRROR_WORDS + self.ngroups * blocks) + 4 * (words + words % 2) + 16
         nbytes = 8 * len(table)
         self.ptr = cuda.malloc(nbytes + self.sync_bytes)
         self.sync = self.ptr + nbytes
