@@ -330,21 +330,31 @@ class Transport(ABC):
                     f"(BLINK_TIMEOUT_SECONDS={ctx.timeout:g})"
                 )
             if now >= next_warn:
+                # Name the ranks at the ends of the wait chains, not the peers we
+                # wait on directly: a peer that itself waits is not the one missing.
+                chains = [self._chain(p) for p in sorted(pending)]
+                missing = sorted({c[-1] for c in chains})
+                hops = "".join(self._describe_chain(c) for c in chains)
                 log.warning(
-                    "%s: rank %d has waited %.0f s for ranks %s (%s). Missing ranks: %s",
-                    ctx.label, self.rank, now - started, sorted(pending), what, ", ".join(map(str, sorted(pending))),
+                    "%s: rank %d has waited %.0f s for ranks %s (%s)%s. Missing ranks: %s",
+                    ctx.label, self.rank, now - started, sorted(pending), what, hops, ", ".join(map(str, missing)),
                 )
                 next_warn = now + ctx.stall
             self.block(peer, word, seen, max(1e-4, min(_SLICE, ctx.deadline - now, next_warn - now)))
 
     def _wait_chain(self, peer: int) -> str:
-        """Name the rank at the end of the chain of waits that starts at ``peer``.
+        """Describe the chain of waits that starts at ``peer`` (empty if ``peer`` waits on no one).
 
         A rank that times out often waits for a rank that itself waits for the
         one that stalled; whichever survivor times out first speaks for all, so
-        its message follows the peers' W_SLEEP words (who sleeps on whom) to
-        the rank that waits on no one.  Sampled a few times: a waiter is awake
-        between its sleeps.
+        its message names the rank at the end of the chain.
+        """
+        return self._describe_chain(self._chain(peer))
+
+    def _chain(self, peer: int) -> list[int]:
+        """Follow the peers' W_SLEEP words (who sleeps on whom) from ``peer`` to the rank that waits on no one.
+
+        Sampled a few times per hop: a waiter is awake between its sleeps.
         """
         chain = [peer]
         for _ in range(self.nranks):
@@ -358,6 +368,10 @@ class Transport(ABC):
             if nxt < 0 or nxt in chain or nxt == self.rank or not 0 <= nxt < self.nranks:
                 break
             chain.append(nxt)
+        return chain
+
+    @staticmethod
+    def _describe_chain(chain: Sequence[int]) -> str:
         if len(chain) == 1:
             return ""
         hops = "; ".join(f"rank {a} itself waits for rank {b}" for a, b in zip(chain, chain[1:]))
