@@ -57,6 +57,7 @@ from .transport import (
     W_PID,
     W_READY_GEN,
     W_SLEEP,
+    W_SLEEP_SEEN,
     W_STATE,
     Transport,
     WaitContext,
@@ -429,6 +430,7 @@ class ShmTransport(Transport):
 
     def block(self, rank: int, word: int, seen: int, timeout: float) -> None:
         own = self._segs[self.rank]
+        own.words[W_SLEEP_SEEN] = seen  # before the token: a reader of both sees a matching pair
         own.words[W_SLEEP] = (rank + 1) << 24 | word
         _fence()
         seg = self._segs[rank]

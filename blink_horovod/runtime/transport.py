@@ -53,6 +53,7 @@ __all__ = [
     "W_DATA_PAGES",
     "W_MAPPED",
     "W_SLEEP",
+    "W_SLEEP_SEEN",
     "STATE_OPEN",
     "STATE_CLOSED",
     "STATE_ABORTED",
@@ -77,6 +78,7 @@ W_ABORT_LEN = 10
 W_NFLAGS = 11  # flag words this segment holds
 W_DATA_PAGES = 12  # data capacity in 4 KiB pages
 W_SLEEP = 13  # (rank + 1) << 24 | word this rank sleeps on, 0 when awake (wake-ups only when needed)
+W_SLEEP_SEEN = 14  # the value of that word when the sleep began (written before W_SLEEP)
 W_MAPPED = 16  # W_MAPPED + r: generation of rank r's segment this rank has mapped
 CONTROL_WORDS = 16  # + nranks
 
@@ -360,15 +362,30 @@ class Transport(ABC):
         for _ in range(self.nranks):
             nxt = -1
             for _sample in range(5):
-                token = self.load(chain[-1], W_SLEEP)
-                if token:
-                    nxt = (token >> 24) - 1
+                nxt = self._sleeps_on(chain[-1])
+                if nxt >= 0:
                     break
                 time.sleep(0.002)
-            if nxt < 0 or nxt in chain or nxt == self.rank or not 0 <= nxt < self.nranks:
+            if nxt < 0 or nxt in chain or nxt == self.rank:
                 break
             chain.append(nxt)
         return chain
+
+    def _sleeps_on(self, rank: int) -> int:
+        """The rank that ``rank`` sleeps waiting for, or -1.
+
+        A token whose word has moved past the value the sleeper saw is stale:
+        a frozen process (SIGSTOP) keeps the token of the sleep it was frozen
+        in, but what it waited for has arrived, so it is the one stalled.
+        """
+        token = self.load(rank, W_SLEEP)
+        if not token:
+            return -1
+        seen = self.load(rank, W_SLEEP_SEEN)
+        target, word = (token >> 24) - 1, token & 0xFFFFFF
+        if self.load(rank, W_SLEEP) != token or not 0 <= target < self.nranks:
+            return -1
+        return target if self.load(target, word) == seen else -1
 
     @staticmethod
     def _describe_chain(chain: Sequence[int]) -> str:
