@@ -25,6 +25,7 @@ arrived (Horovod's stall inspector: "Missing ranks"); raise
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -391,7 +392,7 @@ class Transport(ABC):
     def _describe_chain(chain: Sequence[int]) -> str:
         if len(chain) == 1:
             return ""
-        hops = "; ".join(f"rank {a} itself waits for rank {b}" for a, b in zip(chain, chain[1:]))
+        hops = "; ".join(f"rank {a} itself waits for rank {b}" for a, b in itertools.pairwise(chain))
         return f"; {hops}: rank {chain[-1]} is the one stalled"
 
     def check_peers(self, ctx: WaitContext) -> None:

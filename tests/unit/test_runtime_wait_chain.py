@@ -30,7 +30,7 @@ def three():
         try:
             ctx = WaitContext.start("setup", 20.0, 20.0)
             ts[r] = ShmTransport(r, 3, job, ctx, pids=[os.getpid()] * 3, data_bytes=4096, nflags=16)
-        except BaseException as exc:  # pragma: no cover - reported below
+        except BaseException as exc:  # noqa: BLE001 - reported by the assert below
             errors.append(exc)
 
     threads = [threading.Thread(target=make, args=(r,)) for r in range(3)]
@@ -68,7 +68,7 @@ def test_a_stale_token_of_a_frozen_rank_ends_the_chain_there(three) -> None:
 
 
 def test_a_rank_awake_ends_the_chain_and_a_loop_back_stops_it(three) -> None:
-    t0, t1, t2 = three
+    _, t1, t2 = three
     assert t1._chain(2) == [2]  # no token: rank 2 waits on no one
     t1.store(W_DONE, 3)
     _sleep_token(t2, 1, W_DONE, 3)  # rank 2 waits for the asker itself
