@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 
 import numpy as np
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_emulator import EmuCuda, Heap
 from gpu_rank import as_f64, expected, hand_plans, host_values
+from rank_threads import run_rank_threads
 
 from blink_horovod.runtime.dtypes import numpy_dtype
 from blink_horovod.runtime.gpu.harness import GpuServer
@@ -54,11 +54,7 @@ def run_emulated(n: int, body, chunk_bytes: int = 256):
                 srv.close()
             cuda.shutdown()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(150)
+    run_rank_threads(rank_main, n, 150)
     assert not errors, errors
     return results
 

@@ -9,13 +9,16 @@ what it waited for has arrived (``W_SLEEP_SEEN``).
 from __future__ import annotations
 
 import os
-import threading
+import sys
 import uuid
 
 import pytest
 
 from blink_horovod.runtime.shm import ShmTransport
 from blink_horovod.runtime.transport import W_DONE, W_SLEEP, W_SLEEP_SEEN, WaitContext
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_threads import run_rank_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,11 +36,7 @@ def three():
         except BaseException as exc:  # noqa: BLE001 - reported by the assert below
             errors.append(exc)
 
-    threads = [threading.Thread(target=make, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_rank_threads(make, 3, 30)
     assert not errors, errors
     yield ts
     for t in ts:
