@@ -62,6 +62,7 @@ from .transport import (
     Transport,
     WaitContext,
     pid_alive,
+    sleep_token,
 )
 
 __all__ = ["ShmTransport", "shm_dir", "segment_name", "linked_segments", "sweep_stale_segments"]
@@ -421,7 +422,7 @@ class ShmTransport(Transport):
         own.words[word] = value
         # Wake only a peer that says it sleeps on this very word: a FUTEX_WAKE
         # costs a system call, and often a preemption, even when nobody sleeps.
-        token = (self.rank + 1) << 24 | word
+        token = (self.rank + 1) << 24 | word  # sleep_token(self.rank, word), inlined: every flag store runs this
         _fence()
         for r in self._peers:
             if segs[r].words[W_SLEEP] == token:
@@ -431,7 +432,7 @@ class ShmTransport(Transport):
     def block(self, rank: int, word: int, seen: int, timeout: float) -> None:
         own = self._segs[self.rank]
         own.words[W_SLEEP_SEEN] = seen  # before the token: a reader of both sees a matching pair
-        own.words[W_SLEEP] = (rank + 1) << 24 | word
+        own.words[W_SLEEP] = sleep_token(rank, word)
         _fence()
         seg = self._segs[rank]
         try:

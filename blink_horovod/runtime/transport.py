@@ -55,6 +55,7 @@ __all__ = [
     "W_MAPPED",
     "W_SLEEP",
     "W_SLEEP_SEEN",
+    "sleep_token",
     "STATE_OPEN",
     "STATE_CLOSED",
     "STATE_ABORTED",
@@ -78,10 +79,16 @@ W_ABORT_KIND = 9  # 0: none; else index into _ERROR_KINDS
 W_ABORT_LEN = 10
 W_NFLAGS = 11  # flag words this segment holds
 W_DATA_PAGES = 12  # data capacity in 4 KiB pages
-W_SLEEP = 13  # (rank + 1) << 24 | word this rank sleeps on, 0 when awake (wake-ups only when needed)
+W_SLEEP = 13  # sleep_token(rank, word) of the word this rank sleeps on, 0 when awake (wake-ups only when needed)
 W_SLEEP_SEEN = 14  # the value of that word when the sleep began (written before W_SLEEP)
 W_MAPPED = 16  # W_MAPPED + r: generation of rank r's segment this rank has mapped
 CONTROL_WORDS = 16  # + nranks
+
+
+def sleep_token(rank: int, word: int) -> int:
+    """The W_SLEEP value of a sleep on ``rank``'s ``word`` (never 0, which means awake)."""
+    return (rank + 1) << 24 | word
+
 
 STATE_OPEN = 1
 STATE_CLOSED = 2
@@ -383,7 +390,7 @@ class Transport(ABC):
         if not token:
             return -1
         seen = self.load(rank, W_SLEEP_SEEN)
-        target, word = (token >> 24) - 1, token & 0xFFFFFF
+        target, word = (token >> 24) - 1, token & 0xFFFFFF  # sleep_token, inverted
         if self.load(rank, W_SLEEP) != token or not 0 <= target < self.nranks:
             return -1
         return target if self.load(target, word) == seen else -1

@@ -15,7 +15,13 @@ import uuid
 import pytest
 
 from blink_horovod.runtime.shm import ShmTransport
-from blink_horovod.runtime.transport import W_DONE, W_SLEEP, W_SLEEP_SEEN, WaitContext
+from blink_horovod.runtime.transport import (
+    W_DONE,
+    W_SLEEP,
+    W_SLEEP_SEEN,
+    WaitContext,
+    sleep_token,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rank_threads import run_rank_threads
@@ -44,16 +50,16 @@ def three():
             t.close()
 
 
-def _sleep_token(t: ShmTransport, on: int, word: int, seen: int) -> None:
+def _pretend_sleep(t: ShmTransport, on: int, word: int, seen: int) -> None:
     """Write what ShmTransport.block writes before its futex wait."""
     t.store(W_SLEEP_SEEN, seen)
-    t.store(W_SLEEP, (on + 1) << 24 | word)
+    t.store(W_SLEEP, sleep_token(on, word))
 
 
 def test_the_chain_goes_through_a_rank_that_sleeps_on_an_unposted_word(three) -> None:
     t0, t1, t2 = three
     t0.store(W_DONE, 5)
-    _sleep_token(t2, 0, W_DONE, 5)  # rank 2 waits for rank 0's word to leave 5: a real wait
+    _pretend_sleep(t2, 0, W_DONE, 5)  # rank 2 waits for rank 0's word to leave 5: a real wait
     assert t1._chain(2) == [2, 0]
     assert "rank 0 is the one stalled" in t1._wait_chain(2)
 
@@ -61,7 +67,7 @@ def test_the_chain_goes_through_a_rank_that_sleeps_on_an_unposted_word(three) ->
 def test_a_stale_token_of_a_frozen_rank_ends_the_chain_there(three) -> None:
     t0, t1, t2 = three
     t0.store(W_DONE, 6)
-    _sleep_token(t2, 0, W_DONE, 5)  # rank 0 has since posted 6: rank 2 would have woken, unless frozen
+    _pretend_sleep(t2, 0, W_DONE, 5)  # rank 0 has since posted 6: rank 2 would have woken, unless frozen
     assert t1._chain(2) == [2]
     assert t1._wait_chain(2) == ""
 
@@ -70,5 +76,5 @@ def test_a_rank_awake_ends_the_chain_and_a_loop_back_stops_it(three) -> None:
     _, t1, t2 = three
     assert t1._chain(2) == [2]  # no token: rank 2 waits on no one
     t1.store(W_DONE, 3)
-    _sleep_token(t2, 1, W_DONE, 3)  # rank 2 waits for the asker itself
+    _pretend_sleep(t2, 1, W_DONE, 3)  # rank 2 waits for the asker itself
     assert t1._chain(2) == [2]
