@@ -164,13 +164,14 @@ def _parse(args: argparse.Namespace) -> _Args:
         raise ConfigError(f"-c: expected 0 or 1, got {args.check!r}")
     ops = list(OPS) if str(args.op).strip().lower() == "all" else [check_op(args.op)]
     if str(args.dtype).strip().lower() == "all":
-        # CuPy has no bfloat16 array type (benchmarks/gpu_perf.py covers it with raw buffers).
-        dtypes = [d for d in DTYPES if device == "cpu" or d != "bfloat16"]
+        dtypes = list(DTYPES)
     else:
         dtypes = [canonical_dtype(d, "--dtype") for d in str(args.dtype).split(",")]
-        if device == "cuda" and "bfloat16" in dtypes:
-            raise ConfigError("--dtype: bfloat16 with --device cuda: CuPy has no bfloat16 arrays; "
-                              "use benchmarks/gpu_perf.py --dtype bfloat16")
+    if device == "cuda":
+        try:
+            import torch  # noqa: F401  # CUDA tensors are torch tensors (bfloat16 included)
+        except ImportError:
+            raise ConfigError("--device cuda: needs PyTorch with CUDA for its tensors") from None
     if collective == "broadcast":
         ops = ["sum"]  # no reduction; the column says "none"
     return _Args(
@@ -461,6 +462,7 @@ class _Row:
     busbw: float | None
     wrong: int | None  # None: not checked; -1 in the table: not run (n/a)
     cpu_us: float | None = None  # mean over ranks of CPU time per iteration (process_time: all threads)
+    bound: float | None = None  # busbw at the HBM bound (ranks sharing a GPU), same run
 
 
 def _rounds(a: _Args) -> list[int]:
@@ -492,22 +494,20 @@ def _measure(job: _Job, a: _Args, dtype: str, op: str, size: int) -> dict[str, _
     data = make_input(dtype, job.size, job.rank, count, op, a.collective, a.root) if a.check else None
 
     cuda = a.device == "cuda"
-    if cuda:
-        import cupy
 
     def done() -> None:  # CUDA collectives return once launched
         if cuda:
             job.comm.synchronize()
 
     def checked_run(impl: str) -> int:
-        y = cupy.asarray(data) if cuda else data.copy()
+        y = _to_cuda(data, dtype) if cuda else data.copy()
         runs[impl][0](y)
         done()
-        return count_wrong(cupy.asnumpy(y) if cuda else y, want, dtype)
+        return count_wrong(_from_cuda(y, dt) if cuda else y, want, dtype)
 
     # Checked before timing (the first, cold programs) and after it (the tuned ones).
     wrong = {impl: checked_run(impl) if a.check else 0 for impl in runs}
-    x = cupy.zeros(count, dt) if cuda else np.zeros(count, dt)
+    x = _to_cuda(np.zeros(count, dt), dtype) if cuda else np.zeros(count, dt)
     for impl, (step, _) in runs.items():
         for _ in range(a.warmup):
             step(x)
@@ -540,6 +540,7 @@ def _measure(job: _Job, a: _Args, dtype: str, op: str, size: int) -> dict[str, _
     if a.check:
         for impl in runs:
             wrong[impl] += checked_run(impl)
+    bound = _hbm_bound(job, a, size) if cuda else None
     for impl in runs:
         stats = job.gather((elapsed[impl] / a.iters, wrong[impl], cpu[impl] / a.iters))
         slowest = max(t for t, _, _ in stats)
@@ -547,8 +548,60 @@ def _measure(job: _Job, a: _Args, dtype: str, op: str, size: int) -> dict[str, _
         rows[impl] = _Row(impl, size, count, dtype, op, slowest * 1e6, algbw,
                           algbw * busbw_factor(a.collective, job.size),
                           sum(w for _, w, _ in stats) if a.check else None,
-                          sum(c for _, _, c in stats) / len(stats) * 1e6)
+                          sum(c for _, _, c in stats) / len(stats) * 1e6, bound)
     return rows
+
+
+def _to_cuda(arr: np.ndarray, dtype: str):
+    """A CUDA torch tensor holding ``arr`` (bfloat16: numpy's uint16 or ml_dtypes storage, bit for bit)."""
+    import torch
+
+    t = _to_torch(np.ascontiguousarray(arr), dtype).cuda()
+    torch.cuda.synchronize()
+    return t
+
+
+def _from_cuda(t, dt: np.dtype) -> np.ndarray:
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).cpu().numpy().view(dt)
+    return t.cpu().numpy()
+
+
+def _hbm_bound(job: _Job, a: _Args, size: int) -> float | None:
+    """The busbw an allreduce (or broadcast) of ``size`` bytes could reach if every rank's input were read
+    once and every output written once at the device's own copy rate, measured now by local rank 0 with
+    the GPU otherwise idle; None where every rank has a GPU of its own (the plan's optimum is the bound
+    there).  A device-to-device copy of ``b`` bytes moves 2b, so the copy rate is 2b / t."""
+    ex = job.comm._executor if job.comm is not None else None
+    n = job.local_size
+    if ex is None or getattr(ex, "ranks_on_device", 1) < 2:
+        return None
+    import torch
+
+    rate = 0.0
+    job.comm.barrier()
+    if job.local_rank == 0:
+        src = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps = max(3, min(50, (1 << 31) // max(size, 1)))
+        start.record()
+        for _ in range(reps):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        rate = 2 * size * reps / (start.elapsed_time(end) / 1e3)
+        del src, dst
+    rate = max(job.comm.allgather_object(rate, "blink.perf.copyrate"))
+    # Least HBM traffic: allreduce, n inputs read and n outputs written (2nN); broadcast, the root's input
+    # read once and n - 1 outputs written (nN).
+    seconds = (2 * n if a.collective == "allreduce" else n) * size / rate if rate > 0 else 0.0
+    if seconds <= 0:
+        return None
+    return size / seconds / 1e9 * busbw_factor(a.collective, n)
 
 
 # -- printing (nccl-tests' layout) -------------------------------------------------------------
@@ -598,6 +651,9 @@ def _header(job: _Job, a: _Args, pids: list, hosts: list) -> list[str]:
     lines.append((lead + "".join(f"{g:^32}" for g in groups)).rstrip())
     cols = "".join(f"  {'time':>7}  {'algbw':>6}  {'busbw':>6} {'#wrong':>6}" for _ in groups)
     units = "".join(f"  {'(us)':>7}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>5}" for _ in groups)
+    if a.device == "cuda":  # the yardstick where ranks share a GPU (_hbm_bound)
+        cols += f"  {'bound':>6}  {'%bound':>6}"
+        units += f"  {'(GB/s)':>6}  {'':>6}"
     lines.append(f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}{cols}")
     lines.append(f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}{units}")
     return lines
@@ -610,7 +666,14 @@ def _row_line(a: _Args, rows: dict[str, _Row]) -> str:
     redop = first.op if a.collective == "allreduce" else "none"
     root = -1 if a.collective == "allreduce" else a.root
     head = f"{first.size:12d}  {first.count:12d}  {NCCL_NAMES[first.dtype]:>8}  {redop:>6}  {root:6d}"
-    return head + "".join(_group_cols(rows.get(impl), a.check) for impl in a.impls)
+    line = head + "".join(_group_cols(rows.get(impl), a.check) for impl in a.impls)
+    if a.device == "cuda":
+        b = rows.get("blink")
+        if b is not None and b.bound and b.busbw is not None:
+            line += f"  {b.bound:6.1f}  {100 * b.busbw / b.bound:6.1f}"
+        else:
+            line += f"  {'n/a':>6}  {'n/a':>6}"
+    return line
 
 
 def _write_json(path: str, rows: list[_Row], a: _Args, job: _Job) -> None:
@@ -620,7 +683,7 @@ def _write_json(path: str, rows: list[_Row], a: _Args, job: _Job) -> None:
         {"impl": r.impl, "collective": a.collective, "size": r.size, "count": r.count, "type": NCCL_NAMES[r.dtype],
          "time_us": r.time_us, "algbw": r.algbw, "busbw": r.busbw, "wrong": r.wrong, "cpu_us": r.cpu_us,
          "op": r.op if a.collective == "allreduce" else None, "root": a.root if a.collective == "broadcast" else None,
-         "ranks": job.size, "servers": job.servers}
+         "ranks": job.size, "servers": job.servers, "bound": r.bound}
         for r in rows
     ]}
     folder = os.path.dirname(os.path.abspath(path))

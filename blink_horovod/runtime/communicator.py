@@ -39,7 +39,7 @@ from ..config import BLINK_TOPOLOGY, Config, load_config
 from ..errors import BlinkInternalError, ConfigError
 from ..planner.plan import Plan
 from ..topology.model import Topology
-from .dtypes import check_op, dtype_name, finish_average
+from .dtypes import check_op, dtype_name, finish_average, numpy_dtype
 from .executor import Executor, Piece, Run
 from .rendezvous import Rendezvous
 from .transport import EAGER_BYTES, Transport, WaitContext
@@ -176,10 +176,11 @@ class Communicator:
         self._transport = transport
         self._executor: Any = None
         if transport is not None and device == "cuda":
-            from .gpu.executor import GpuExecutor
+            from .gpu.tree_executor import TreeExecutor
 
-            self._executor = GpuExecutor(transport, self.config.timeout_seconds, self.config.stall_check_seconds,
-                                         fault=self.config.fault)
+            if self.config.fault:
+                log.warning("BLINK_FAULT=%s is ignored on CUDA tensors (CPU runtime only)", self.config.fault)
+            self._executor = TreeExecutor(transport, self.config.timeout_seconds, self.config.stall_check_seconds)
         elif transport is not None:
             self._executor = Executor(transport, self.config.timeout_seconds, self.config.stall_check_seconds,
                                       self.config.fault, self.config.mpi_yield, self.config.background_idle,
@@ -303,6 +304,30 @@ class Communicator:
         if ex.last_setup_free and ex.last_run_seconds > 0:  # type: ignore[union-attr]
             self._last_rate[bucket] = nbytes / ex.last_run_seconds  # type: ignore[union-attr]
 
+    def _run_cuda(self, collective: str, name: str | None, arr: Any, flat: "_DeviceFlat", dtype: str,
+                  op: str | None, root: int | None) -> None:
+        """One collective on a CUDA tensor: the tree kernel (:mod:`.gpu.tree_executor`) runs the plan's trees
+        directly over every rank's tensor, launched on the tensor's current stream."""
+        plan_key = ("allreduce", None) if collective == "allreduce" else ("broadcast", root)
+        with self._lock:
+            entry = self._plans.get(plan_key)
+            extras: dict[str, Any] = {}
+            if entry is None and self.local_rank == 0:
+                try:
+                    extras["plan"] = self._make_plan(*plan_key).to_dict()
+                except BaseException as exc:
+                    self._executor.fail(exc)  # type: ignore[union-attr]  # peers raise now, not at their timeout
+                    raise
+
+            def plan_of(all_extras: list[dict[str, Any]]) -> tuple[Plan, str]:
+                if entry is not None:
+                    return entry
+                return self._adopt_plan(plan_key, Plan.from_dict(all_extras[0]["plan"]))
+
+            self._executor.collective(  # type: ignore[union-attr]
+                self._label(collective, name), self._checked(collective, name, arr, dtype, op, root), extras,
+                flat, dtype, op, plan_of, kind=collective, stream=flat.stream)
+
     def _eager(self, collective: str, name: str | None, arr: np.ndarray, flat: np.ndarray, dtype: str,
                op: str | None, root: int | None) -> None:
         n = self.local_size
@@ -318,6 +343,9 @@ class Communicator:
         op = check_op(op)
         flat, dtype = self._flat(arr, "allreduce")
         if self._executor is None or flat.size == 0:
+            return arr
+        if self.device == "cuda":
+            self._run_cuda("allreduce", name, arr, flat, dtype, op, None)
             return arr
         with self._lock:
             n = self.local_size
@@ -347,6 +375,9 @@ class Communicator:
         root = int(root)
         flat, dtype = self._flat(arr, "broadcast")
         if self._executor is None or flat.size == 0:
+            return arr
+        if self.device == "cuda":
+            self._run_cuda("broadcast", name, arr, flat, dtype, None, root)
             return arr
         with self._lock:
             me = self.local_rank
@@ -491,20 +522,32 @@ class Communicator:
 
 
 class _DeviceFlat:
-    """A C-contiguous CUDA array seen as flat elements: size, nbytes, dtype and its device address
-    (``data_ptr()``, which the GPU executor reads)."""
+    """A C-contiguous CUDA array seen as flat elements: size, nbytes, dtype, its device address (``ptr``) and
+    the stream its producer works on (a torch tensor's current stream; None: CuPy's current stream)."""
 
-    __slots__ = ("dtype", "dtype_name", "nbytes", "ptr", "size")
+    __slots__ = ("dtype", "dtype_name", "nbytes", "ptr", "size", "stream")
 
-    def __init__(self, ptr: int, size: int, dtype: np.dtype, name: str) -> None:
-        self.ptr, self.size, self.dtype, self.dtype_name = ptr, size, dtype, name
-        self.nbytes = size * dtype.itemsize
+    def __init__(self, ptr: int, size: int, dtype: np.dtype | None, name: str, stream: int | None = None) -> None:
+        self.ptr, self.size, self.dtype, self.dtype_name, self.stream = ptr, size, dtype, name, stream
+        self.nbytes = size * numpy_dtype(name).itemsize
 
     def data_ptr(self) -> int:
         return self.ptr
 
     @classmethod
     def of(cls, arr: Any, what: str) -> "_DeviceFlat":
+        torch_name = _torch_dtype_name(arr)
+        if torch_name is not None:  # torch: bfloat16 has no __cuda_array_interface__ typestr
+            if not arr.is_cuda:
+                raise ConfigError(f"{what}: expected a CUDA tensor on device 'cuda', got a {arr.device} tensor")
+            if not arr.is_contiguous():
+                raise ConfigError(f"{what}: the CUDA tensor must be contiguous (shape {list(arr.shape)}, strides "
+                                  f"{list(arr.stride())})")
+            import torch
+
+            with torch.cuda.device(arr.device):
+                stream = int(torch.cuda.current_stream().cuda_stream)
+            return cls(int(arr.data_ptr()), int(arr.numel()), None, torch_name, stream)
         cai = getattr(arr, "__cuda_array_interface__", None)
         if cai is None:
             raise ConfigError(f"{what}: expected a CUDA array (CuPy, torch, __cuda_array_interface__) on device "
@@ -523,3 +566,17 @@ class _DeviceFlat:
                 raise ConfigError(f"{what}: the CUDA array must be C-contiguous (shape {list(shape)}, strides "
                                   f"{list(strides)})")
         return cls(int(cai["data"][0]), size, dt, dtype_name(dt))
+
+
+_TORCH_NAMES = {"float32": "float32", "float64": "float64", "float16": "float16", "bfloat16": "bfloat16",
+                "int32": "int32", "int64": "int64", "int8": "int8", "uint8": "uint8", "int16": "int16"}
+
+
+def _torch_dtype_name(arr: Any) -> str | None:
+    """Blink's name of a torch tensor's dtype (None: not a torch tensor)."""
+    if type(arr).__module__.split(".")[0] != "torch" or not hasattr(arr, "data_ptr"):
+        return None
+    name = str(arr.dtype).removeprefix("torch.")
+    if name not in _TORCH_NAMES:
+        raise ConfigError(f"dtype: torch.{name} is not supported (expected one of {', '.join(_TORCH_NAMES)})")
+    return _TORCH_NAMES[name]

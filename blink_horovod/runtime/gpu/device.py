@@ -194,6 +194,23 @@ class Cuda:
     def ipc_close(self, ptr: int) -> None:
         self.rt.ipcCloseMemHandle(ptr)
 
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        """``(base, size)`` of the ``cudaMalloc`` allocation that holds ``ptr`` (``cuMemGetAddressRange``)."""
+        d = self.drv
+        base, size = self._check(d.cuMemGetAddressRange(d.CUdeviceptr(ptr)), "cuMemGetAddressRange")
+        return int(base), int(size)
+
+    def buffer_id(self, ptr: int) -> int:
+        """The allocation's identity (``CU_POINTER_ATTRIBUTE_BUFFER_ID``: unique per allocation in the process)."""
+        d = self.drv
+        (bid,) = self._check(d.cuPointerGetAttribute(d.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                                     d.CUdeviceptr(ptr)), "cuPointerGetAttribute(BUFFER_ID)")
+        return int(bid)
+
+    def pci_bus_id(self) -> str:
+        """This device's PCI bus id (ranks with the same one share a GPU)."""
+        return str(self.rt.deviceGetPCIBusId(self.device))
+
     # -- streams and events -----------------------------------------------------
     def stream(self) -> Any:
         """A non-blocking CuPy stream (``.ptr`` for raw calls, ``with s:`` for kernels)."""
@@ -306,6 +323,17 @@ class Cuda:
             exe.go(stream)
 
     # -- kernels -----------------------------------------------------------------
+    def launch_kernel(self, fn: Any, grid: int, block: int, stream: int, params: int) -> None:
+        """``cuLaunchKernel`` of a RawModule function with a ready ``void*[]`` of parameters (an address)."""
+        self.cupy.cuda.driver.launchKernel(int(getattr(fn, "kernel", fn).ptr), grid, 1, 1, block, 1, 1, 0,
+                                           stream, params, 0)
+
+    def blocks_per_sm(self, fn: Any, block: int) -> int:
+        """How many blocks of ``block`` threads of ``fn`` one SM holds at once (the occupancy calculator)."""
+        return int(self.cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            int(getattr(fn, "kernel", fn).ptr), block, 0))
+
+
     def module(self, source: str) -> Any:
         """A compiled CuPy RawModule (NVRTC)."""
         mod = self.cupy.RawModule(code=source, options=("-std=c++17",))

@@ -29,6 +29,7 @@ from ..dtypes import DTYPES, check_op
 
 __all__ = [
     "BLOCK",
+    "acc_source",
     "KERNEL_OPS",
     "device_source",
     "element_source",
@@ -161,6 +162,41 @@ def element_source(dtype: str) -> str:
             "BLINK_HD blink_t blink_op_max(blink_t x, blink_t y) { return x > y ? x : y; }",
             # Horovod's ScaleBuffer: trunc(x * (1.0 / n)) in double; the cast truncates toward zero.
             ("BLINK_HD blink_t blink_finish_average(blink_t x, int n) "
+             "{ return (blink_t)(blink_i64)((double)x * (1.0 / (double)n)); }"),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def acc_source(dtype: str) -> str:
+    """Prelude plus the accumulating element functions of the tree kernel (``trees.cu``), host and device.
+
+    ``blink_acc_t`` is what a reduction accumulates in: float32 for float16 and bfloat16 (one
+    rounding per reduction, however many sources, as NCCL and vLLM's custom allreduce do), the
+    type itself otherwise; integers wrap as numpy's do (sum and product computed unsigned).
+    """
+    store, comp, to, frm, family = _check_dtype(dtype)
+    lines = [_PRELUDE, f"typedef {store} blink_t;"]
+    if family == "float":
+        lines += [
+            f"typedef {comp} blink_acc_t;",
+            f"BLINK_HD blink_acc_t blink_to_acc(blink_t x) {{ return {to + '(x)' if to else 'x'}; }}",
+            f"BLINK_HD blink_t blink_from_acc(blink_acc_t x) {{ return {frm + '(x)' if frm else 'x'}; }}",
+            "BLINK_HD blink_acc_t blink_acc_sum(blink_acc_t x, blink_acc_t y) { return x + y; }",
+            "BLINK_HD blink_acc_t blink_acc_product(blink_acc_t x, blink_acc_t y) { return x * y; }",
+            "BLINK_HD blink_acc_t blink_acc_min(blink_acc_t x, blink_acc_t y) { return (x < y || x != x) ? x : y; }",
+            "BLINK_HD blink_acc_t blink_acc_max(blink_acc_t x, blink_acc_t y) { return (x > y || x != x) ? x : y; }",
+            "BLINK_HD blink_acc_t blink_acc_finish_average(blink_acc_t x, int n) { return x / (blink_acc_t)n; }",
+        ]
+    else:
+        lines += [
+            "typedef blink_t blink_acc_t;",
+            "BLINK_HD blink_acc_t blink_to_acc(blink_t x) { return x; }",
+            "BLINK_HD blink_t blink_from_acc(blink_acc_t x) { return x; }",
+            f"BLINK_HD blink_acc_t blink_acc_sum(blink_acc_t x, blink_acc_t y) {{ return (blink_t)(({comp})x + ({comp})y); }}",
+            f"BLINK_HD blink_acc_t blink_acc_product(blink_acc_t x, blink_acc_t y) {{ return (blink_t)(({comp})x * ({comp})y); }}",
+            "BLINK_HD blink_acc_t blink_acc_min(blink_acc_t x, blink_acc_t y) { return x < y ? x : y; }",
+            "BLINK_HD blink_acc_t blink_acc_max(blink_acc_t x, blink_acc_t y) { return x > y ? x : y; }",
+            ("BLINK_HD blink_acc_t blink_acc_finish_average(blink_acc_t x, int n) "
              "{ return (blink_t)(blink_i64)((double)x * (1.0 / (double)n)); }"),
         ]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU executor's acceptance on one GPU, in one device call: ranks as processes sharing it under MPS,
+# `blink perf --device cuda` per allocation (float32 and bfloat16, 8 B .. 1 GB, -c 1), the yardsticks
+# (benchmarks/gpu_reference.py), and one small summary ($OUT/summary.md) by benchmarks/gpu_summary.py.
+#
+#   STEPS="ref n2 n4 n8 d4 d8 ops" OUT=/tmp/out bash benchmarks/gpu_acceptance.sh
+set -u
+OUT=${OUT:-build/gpu-acceptance}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export BLINK_TIMEOUT_SECONDS=${BLINK_TIMEOUT_SECONDS:-60}
+export BLINK_PLAN_CACHE=${BLINK_PLAN_CACHE:-/tmp/blink-plans}
+STEPS=${STEPS:-"ref n2 n4 n8 d4 d8 ops"}
+SIZES=${SIZES:-"-b 8 -e 1G -f 2"}
+ITERS=${ITERS:-"-n 10 -w 2"}
+START=$(date +%s)
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/blink-mps CUDA_MPS_LOG_DIRECTORY=/tmp/blink-mps-log
+mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+nvidia-cuda-mps-control -d && sleep 1
+trap 'echo quit | nvidia-cuda-mps-control; sleep 1' EXIT
+MPI=(mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x BLINK_TIMEOUT_SECONDS
+     -x BLINK_PLAN_CACHE -x BLINK_TOPOLOGY -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY
+     -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS)
+log() { echo "[$(($(date +%s) - START)) s] $*" | tee -a "$OUT/steps.txt"; }
+perf() {  # perf NAME RANKS TOPOLOGY LIMIT ARGS...
+    local name=$1 n=$2 topo=$3 limit=$4
+    shift 4
+    log "start $name: $n ranks, $topo"
+    BLINK_TOPOLOGY=$topo timeout -k 5 "$limit" "${MPI[@]}" -np "$n" python3 -m blink_horovod perf --device cuda \
+        --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
+    log "rc=$? $name"
+}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+want env && { nvidia-smi; python3 -c "import torch, cupy; print(torch.__version__, cupy.__version__)"; } >"$OUT/env.txt" 2>&1
+want ref && { log "start ref"; timeout 120 python3 benchmarks/gpu_reference.py --json "$OUT/ref.json" >"$OUT/ref.log" 2>&1; log "rc=$? ref"; }
+want n2 && perf n2 2 hgx-h200:0,1 150 -d float,bfloat16 $SIZES $ITERS -c 1
+want n4 && perf n4 4 hgx-h200:0,1,2,3 150 -d float,bfloat16 $SIZES $ITERS -c 1
+want n8 && perf n8 8 hgx-h200 180 -d float,bfloat16 $SIZES $ITERS -c 1
+want d4 && perf d4 4 dgx1v:0,1,2,3 150 -d float,bfloat16 $SIZES $ITERS -c 1
+want d8 && perf d8 8 dgx1v 180 -d float,bfloat16 $SIZES $ITERS -c 1
+want ops && perf ops 4 hgx-h200:0,1,2,3 120 -d all -o all -b 4 -e 4M -f 32 -n 2 -w 1 -c 1
+want bcast && perf bcast 4 hgx-h200:0,1,2,3 120 --collective broadcast -r 1 -d float,bfloat16 $SIZES $ITERS -c 1
+python3 benchmarks/gpu_summary.py "$OUT" >"$OUT/summary.md" 2>&1
+log "done"

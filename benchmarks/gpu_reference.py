@@ -1,0 +1,83 @@
+"""The yardsticks of the GPU executor on one GPU, in one process: the device's copy rate and a plain
+PyTorch two-shot allreduce of n buffers (slice r of every buffer summed into buffer r with ``add_``, then
+the reduced slices copied out with ``copy_``), busbw as nccl-tests counts it.
+
+    python benchmarks/gpu_reference.py --ranks 2,4,8 --sizes 256M,1G --json ref.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def parse_size(text: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper()
+    return int(t[:-1]) * mult[t[-1]] if t[-1] in mult else int(t)
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", default="2,4,8")
+    p.add_argument("--sizes", default="256M,1G")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    dt = getattr(torch, a.dtype)
+    rows = []
+    for size in [parse_size(s) for s in a.sizes.split(",")]:
+        src = torch.empty(size, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        copy_rate = 2 * size / timed(lambda: dst.copy_(src), a.reps)
+        del src, dst
+        for n in [int(x) for x in a.ranks.split(",")]:
+            count = size // dt.itemsize
+            bufs = [torch.ones(count, dtype=dt, device="cuda") for _ in range(n)]
+            bounds = [(r * count // n, (r + 1) * count // n) for r in range(n)]
+
+            def two_shot() -> None:
+                for r, (lo, hi) in enumerate(bounds):
+                    acc = bufs[r][lo:hi]
+                    for q in range(n):
+                        if q != r:
+                            acc.add_(bufs[q][lo:hi])
+                for r, (lo, hi) in enumerate(bounds):
+                    for q in range(n):
+                        if q != r:
+                            bufs[q][lo:hi].copy_(bufs[r][lo:hi])
+
+            t = timed(two_shot, a.reps)
+            algbw = size / t / 1e9
+            busbw = algbw * 2 * (n - 1) / n
+            bound = size / (2 * n * size / copy_rate) / 1e9 * 2 * (n - 1) / n
+            rows.append({"ranks": n, "size": size, "dtype": a.dtype, "copy_rate_gbs": copy_rate / 1e9,
+                         "two_shot_busbw": busbw, "hbm_bound_busbw": bound})
+            print(f"n={n} size={size} {a.dtype}: copy rate {copy_rate / 1e9:.0f} GB/s, HBM bound busbw {bound:.1f}, "
+                  f"torch two-shot busbw {busbw:.1f} GB/s ({100 * busbw / bound:.0f}% of the bound)", flush=True)
+            del bufs
+            torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

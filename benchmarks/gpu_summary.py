@@ -1,0 +1,53 @@
+"""One small table from a run of benchmarks/gpu_acceptance.sh: per allocation and dtype, busbw at 256 MB and
+1 GB against the HBM bound of the same run, the latency at 8 B, #wrong, and the PyTorch two-shot.
+
+    python benchmarks/gpu_summary.py OUT_DIR > summary.md
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+NAMES = {"n2": "2, hgx-h200:0,1", "n4": "4, hgx-h200:0,1,2,3", "n8": "8, hgx-h200", "d4": "4, dgx1v:0,1,2,3",
+         "d8": "8, dgx1v", "ops": "4, hgx-h200:0,1,2,3, every dtype and op", "bcast": "4, hgx-h200:0,1,2,3, broadcast"}
+
+
+def main(out: str) -> int:
+    ref = {}
+    if os.path.exists(os.path.join(out, "ref.json")):
+        for r in json.load(open(os.path.join(out, "ref.json"))):
+            ref[(r["ranks"], r["size"])] = r["two_shot_busbw"]
+    print("| ranks, topology | type | busbw 256 MB | bound | % | busbw 1 GB | bound | % | torch two-shot 1 GB "
+          "| 8 B latency (us) | #wrong |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for path in sorted(glob.glob(os.path.join(out, "*.json"))):
+        name = os.path.basename(path)[:-5]
+        if name == "ref":
+            continue
+        rows = json.load(open(path))["rows"]
+        for t in sorted({r["type"] for r in rows}):
+            rs = [r for r in rows if r["type"] == t]
+            by = {r["size"]: r for r in rs if r["busbw"] is not None}
+
+            def cell(size: int) -> str:
+                r = by.get(size)
+                if r is None:
+                    return "- | - | -"
+                b = r.get("bound")
+                return f"{r['busbw']:.1f} | {b:.0f} | {100 * r['busbw'] / b:.0f}%" if b else f"{r['busbw']:.1f} | - | -"
+
+            small = min(by) if by else None
+            lat = f"{by[small]['time_us']:.1f} ({small} B)" if small is not None else "-"
+            wrong = sum(r["wrong"] or 0 for r in rs)
+            n = rs[0]["ranks"]
+            two = ref.get((n, 1 << 30))
+            print(f"| {NAMES.get(name, name)} | {t} | {cell(256 << 20)} | {cell(1 << 30)} | "
+                  f"{f'{two:.0f}' if two else '-'} | {lat} | {wrong} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "."))

@@ -1,0 +1,399 @@
+"""The GPU executor: one tree kernel per collective, over the ranks' tensors in place.
+
+Blink (MLSys 2020, section 4) generates one CUDA program per collective that moves each tree's chunks
+over the links and reduces them on the receiving GPU.  Here that program is ``trees.cu``, compiled once
+per dtype, and a collective is:
+
+1. the metadata exchange through the control transport (shared memory: name, shape, dtype, op, root,
+   topology, and where this rank's tensor is: :mod:`.registry`), checked on the host before any byte
+   moves, so a disagreement raises the same :class:`~blink_horovod.errors.MismatchError` on every rank;
+2. the plan's work tables (:mod:`.work`), cached per (plan, count, dtype);
+3. one ``cuLaunchKernel`` on the caller's stream (after the work already queued there, as NCCL's
+   collectives are) whose parameters carry the epoch and every rank's tensor and flag words as mapped
+   in this process.  The call returns without waiting; :meth:`TreeExecutor.synchronize` waits.
+
+Nothing tests whether a peer shares this GPU to take a shortcut: peers' memory is always reached through
+their CUDA IPC mappings.  Where ranks share a GPU only the number of blocks changes: every rank's blocks
+must be resident at once (blocks spin on peers' flags), so each rank takes its share of the SMs.
+
+Flags are device words (``trees.cu``); the abort and error words are mapped host memory, so the host
+stops its kernel's waits with a plain store and reads a device-found timeout without a CUDA call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ...errors import BlinkInternalError, BlinkTimeoutError, ConfigError
+from .. import metadata
+from ..dtypes import check_op, numpy_dtype
+from ..transport import Transport, WaitContext
+from .work import MAX_ITEMS, MAX_RANKS, Work, make_work
+
+__all__ = ["ARGS_DTYPE", "MAX_BLOCKS", "THREADS", "TreeExecutor", "kernel_name", "kernel_source"]
+
+log = logging.getLogger("blink_horovod.runtime")
+
+THREADS = 512  # BLINK_THREADS in trees.cu
+MAX_BLOCKS = 1024  # done[] words per rank
+OPS = {"sum": 0, "average": 0, "min": 1, "max": 2, "product": 3}
+_RED, _FIN, _DONE = 0, MAX_ITEMS, 2 * MAX_ITEMS
+FLAG_WORDS = 2 * MAX_ITEMS + MAX_BLOCKS
+_TABLES = 64  # work tables kept on the device
+_SPIN_S = 0.05
+
+# The kernel's parameter, laid out as struct BlinkArgs in trees.cu.
+ARGS_DTYPE = np.dtype([
+    ("epoch", "<u8"), ("buf", "<u8", (MAX_RANKS,)), ("flags", "<u8", (MAX_RANKS,)),
+    ("items", "<u8"), ("trees", "<u8"), ("timeout_ns", "<u8"), ("ctl", "<u8"),
+    ("nitems", "<i4"), ("rank", "<i4"), ("nranks", "<i4"), ("phases", "<i4"),
+    ("average_n", "<i4"), ("vec", "<i4"), ("red_word", "<i4"), ("fin_word", "<i4"),
+    ("done_word", "<i4"), ("pad", "<i4"),
+], align=True)
+
+
+def kernel_name(op: str) -> str:
+    return f"blink_trees_{check_op(op) if op != 'average' else 'sum'}"
+
+
+def kernel_source(dtype: str) -> str:
+    """The tree kernels of ``dtype`` (one per op), ready for NVRTC."""
+    from .kernels import acc_source
+
+    with open(os.path.join(os.path.dirname(__file__), "trees.cu"), encoding="utf-8") as fh:
+        body = fh.read()
+    tail = "\n".join(f"BLINK_TREES_KERNEL(blink_trees_{op}, {code})"
+                     for op, code in (("sum", 0), ("min", 1), ("max", 2), ("product", 3)))
+    return acc_source(dtype) + body + "\n" + tail + "\n"
+
+
+class TreeExecutor:
+    """Runs the collectives of rank ``transport.rank`` on its CUDA device (see the module docstring).
+
+    Parameters
+    ----------
+    transport : Transport
+        The server's control plane (metadata, aborts, liveness).
+    timeout, stall : float
+        ``BLINK_TIMEOUT_SECONDS`` and ``BLINK_STALL_CHECK_SECONDS``.
+    device : int, optional
+        CUDA device; default the current one.
+    """
+
+    fuses_average = True  # the root divides: the communicator must not finish averages itself
+
+    def __init__(self, transport: Transport, timeout: float, stall: float, device: int | None = None,
+                 cuda: Any = None) -> None:
+        self.t = transport
+        self.rank, self.nranks = transport.rank, transport.nranks
+        if self.nranks > MAX_RANKS:
+            raise ConfigError(f"local_size: {self.nranks} ranks in one server; the GPU executor takes at most "
+                              f"{MAX_RANKS}")
+        self.timeout, self.stall = timeout, stall
+        if cuda is None:
+            import cupy
+
+            from .device import Cuda
+
+            cuda = Cuda(int(cupy.cuda.runtime.getDevice()) if device is None else device, flag_ops="fused")
+        self.cuda = cuda
+        from .registry import Registry
+
+        self.registry = Registry(cuda)
+        self.seq = 0
+        self.epoch = 0
+        self.failed: BaseException | None = None
+        self._closed = False
+        self.last_run_seconds = 0.0  # device time is not known at return: the chunk tuner gets no rate
+        self.last_setup_free = True
+        self.last_meta_seconds = self.last_launch_seconds = 0.0
+        self._device_thread = 0
+        self._spin_s = _SPIN_S if (os.cpu_count() or 1) > self.nranks else 0.0
+        self._modules: dict[str, Any] = {}
+        self._tables: OrderedDict[tuple, tuple[Work, int, int]] = OrderedDict()
+        self._memo: tuple | None = None
+        self._decoded: tuple[list[bytes], list[dict[str, Any]]] | None = None
+        c = cuda
+        self._flags_bytes = 8 * FLAG_WORDS
+        self._own_flags = c.malloc(self._flags_bytes)
+        c.memset(self._own_flags, 0, self._flags_bytes)
+        self._ctl_host, self._ctl_view = c.host_alloc(64)  # [abort, error epoch]
+        self._ctl_view[:] = 0
+        self._aux = c.stream()
+        self._event = c.event()
+        self._launched = False
+        # Parameter block: one BlinkArgs, passed by value through a void*[1].
+        self._args = np.zeros(1, ARGS_DTYPE)
+        self._argp = (ctypes.c_void_p * 1)(self._args.ctypes.data)
+        self._params = ctypes.addressof(self._argp)
+        self._flag_ptrs = [0] * self.nranks
+        self.blocks = 1
+        self._setup()
+
+    # -- setup ---------------------------------------------------------------------------
+    def _setup(self) -> None:
+        """Exchange flag segments, devices and block counts; map the peers' flags."""
+        c = self.cuda
+        ctx = WaitContext.start("GPU executor setup", self.timeout, self.stall)
+        fn = self._function("float32", "sum")
+        per_sm = max(1, c.blocks_per_sm(fn, THREADS))
+        mine = {"flags": c.ipc_handle(self._own_flags).hex(), "bus": c.pci_bus_id(), "sms": int(c.sms),
+                "per_sm": per_sm}
+        self.seq += 1
+        payloads = self.t.exchange_meta(self.seq, metadata.encode({"collective": "gpu setup"}, mine), ctx)
+        peers = metadata.check_agreement(payloads, self.seq)
+        sharing = sum(1 for e in peers if e["bus"] == mine["bus"])
+        # Every rank's blocks must be resident together (they spin on each other's flags): a rank takes
+        # its share of the SMs of its GPU.  All ranks launch the same grid (the items are dealt by block
+        # index), so the smallest share wins.
+        self.ranks_on_device = max(sum(1 for f in peers if f["bus"] == e["bus"]) for e in peers)
+        self.blocks = max(1, min(MAX_BLOCKS, min(int(e["sms"]) * int(e["per_sm"]) for e in peers)
+                                 // self.ranks_on_device))
+        for q, e in enumerate(peers):
+            self._flag_ptrs[q] = self._own_flags if q == self.rank else c.ipc_open(bytes.fromhex(e["flags"]))
+        a = self._args[0]
+        a["flags"][: self.nranks] = self._flag_ptrs
+        a["rank"], a["nranks"] = self.rank, self.nranks
+        a["red_word"], a["fin_word"], a["done_word"] = _RED, _FIN, _DONE
+        a["ctl"] = self._ctl_host
+        a["timeout_ns"] = int(self.timeout * 1e9)
+        log.debug("GPU executor: rank %d, %d ranks on its GPU (%d of them this rank's), %d blocks of %d threads",
+                  self.rank, self.ranks_on_device, sharing, self.blocks, THREADS)
+
+    def _module(self, dtype: str) -> Any:
+        mod = self._modules.get(dtype)
+        if mod is None:
+            mod = self._modules[dtype] = self.cuda.module(kernel_source(dtype))
+        return mod
+
+    def _function(self, dtype: str, op: str) -> Any:
+        return self._module(dtype).get_function(kernel_name(op))
+
+    # -- the collective ----------------------------------------------------------------------
+    def collective(self, label: str, checked: Mapping[str, Any], extras: Mapping[str, Any], arr: Any,
+                   dtype: str, op: str | None, plan_of: Callable[[list[dict[str, Any]]], Any], kind: str = "allreduce",
+                   stream: int | None = None) -> list[dict[str, Any]]:
+        """Launch one collective on ``arr`` (a flat CUDA array with ``ptr``, ``size``, ``nbytes``), in place.
+
+        ``kind``: ``allreduce`` (``op`` over every rank, the result everywhere) or ``broadcast`` (the plan's
+        root's tensor everywhere).  ``plan_of(all_extras)`` gives the plan (rank 0's rides in the extras on
+        its first use).  Returns every rank's extras.
+        """
+        if self.failed is not None:
+            raise BlinkInternalError(f"{label}: this communicator is unusable after an earlier failure: {self.failed}")
+        if self._closed:
+            raise BlinkInternalError(f"{label}: the GPU executor is closed")
+        ctx = WaitContext.start(label, self.timeout, self.stall)
+        try:
+            me = threading.get_ident()
+            if me != self._device_thread:
+                self.cuda.set_device()
+                self._device_thread = me
+            self._check_device_error(ctx)
+            t0 = time.perf_counter()
+            ptr = int(arr.ptr) if arr is not None and arr.size else 0
+            mine = dict(extras)
+            if ptr:
+                serial, offset, handle = self.registry.own(ptr)
+                mine["g"] = [serial, offset, handle.hex() if handle is not None else None, ptr % 16]
+            self.seq += 1
+            all_extras = self._agree(checked, mine, ctx)
+            t1 = time.perf_counter()
+            if not ptr:
+                return all_extras
+            plan, digest = plan_of(all_extras)
+            itemsize = numpy_dtype(dtype).itemsize
+            work, items, trees = self._work(plan, digest, arr.size, itemsize)
+            a = self._args[0]
+            bufs = a["buf"]
+            vec = 1
+            for q, e in enumerate(all_extras):
+                serial, offset, handle, mis = e["g"]
+                bufs[q] = ptr if q == self.rank else self.registry.peer(q, serial, offset,
+                                                                        bytes.fromhex(handle) if handle else None)
+                vec &= int(mis == 0)
+            self.epoch += 1
+            a["epoch"] = self.epoch
+            a["items"], a["trees"], a["nitems"] = items, trees, work.nitems
+            a["phases"] = 3 if kind == "allreduce" else 2
+            a["average_n"] = self.nranks if op == "average" else 0
+            a["vec"] = vec
+            fn = self._function(dtype, op or "sum")
+            sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
+            self.cuda.launch_kernel(fn, work.blocks, THREADS, sp, self._params)
+            self.cuda.record(self._event, sp)
+            self._launched = True
+            self.last_meta_seconds = t1 - t0
+            self.last_launch_seconds = time.perf_counter() - t1
+            return all_extras
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
+    def _agree(self, checked: Mapping[str, Any], extras: Mapping[str, Any], ctx: WaitContext) -> list[dict[str, Any]]:
+        """Exchange and check metadata; a repeat of the previous collective (same bytes from every rank, as
+        a training step's buckets are) reuses the decoding: equal bytes decode to equal values."""
+        memo = self._memo
+        if memo is not None and memo[0] == checked and memo[1] == extras:
+            payload = memo[2]
+        else:
+            payload = metadata.encode(checked, extras)
+            self._memo = (dict(checked), dict(extras), payload)
+        payloads = self.t.exchange_meta(self.seq, payload, ctx)
+        dec = self._decoded
+        if dec is not None and dec[0] == payloads:
+            return dec[1]
+        out = metadata.check_agreement(payloads, self.seq)
+        self._decoded = (payloads, out)
+        return out
+
+    def _work(self, plan: Any, digest: str, count: int, itemsize: int) -> tuple[Work, int, int]:
+        key = (digest, count, itemsize)
+        hit = self._tables.get(key)
+        if hit is not None:
+            self._tables.move_to_end(key)
+            return hit
+        work = make_work(plan, count, itemsize, self.rank, self.blocks)
+        c = self.cuda
+        items = c.malloc(max(32, work.items.nbytes))
+        trees = c.malloc(max(8, work.trees.nbytes))
+        if work.items.nbytes:
+            c.copy_async(items, work.items.ctypes.data, work.items.nbytes, self._aux.ptr, kind="h2d")
+        c.copy_async(trees, work.trees.ctypes.data, work.trees.nbytes, self._aux.ptr, kind="h2d")
+        self._aux.synchronize()
+        hit = self._tables[key] = (work, items, trees)
+        if len(self._tables) > _TABLES:
+            # Freed only once this rank's launched work is done (a queued kernel may still read them).
+            self.synchronize()
+            _, (_, old_items, old_trees) = self._tables.popitem(last=False)
+            c.free(old_items)
+            c.free(old_trees)
+        return hit
+
+    # -- waiting ----------------------------------------------------------------------------
+    def _check_device_error(self, ctx: WaitContext) -> None:
+        bad = int(self._ctl_view[1])
+        if bad:
+            raise BlinkTimeoutError(
+                f"{ctx.label}: rank {self.rank}'s GPU gave up waiting for a peer's flags in collective epoch {bad} "
+                f"(BLINK_TIMEOUT_SECONDS={self.timeout:g}, or a failure elsewhere aborted it)")
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait (peer checks, deadline) until this rank's launched collectives are done."""
+        if not self._launched:
+            return
+        ctx = WaitContext.start("synchronize", self.timeout if timeout is None else timeout, self.stall)
+        try:
+            c, ev = self.cuda, self._event
+            self._wait_until(lambda: c.done(ev), ctx, "launched collectives")
+            self._check_device_error(ctx)
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
+    def _wait_until(self, ready: Callable[[], bool], ctx: WaitContext, what: str) -> None:
+        if ready():
+            return
+        started = time.monotonic()
+        next_check, next_warn = started + 0.05, started + ctx.stall
+        spin_until = started + self._spin_s
+        delay = 2e-5
+        while not ready():
+            now = time.monotonic()
+            if now < spin_until and now < next_check:
+                continue
+            if now >= next_check:
+                self.t.check_peers(ctx)
+                for q in range(self.nranks):
+                    if q != self.rank and not self.t.peer_alive(q):
+                        raise BlinkInternalError(
+                            f"{ctx.label}: rank {q} (pid {self.t.peer_pid(q)}) died; rank {self.rank}'s GPU waits "
+                            f"for it ({what})")
+                self._check_device_error(ctx)
+                next_check = now + 0.05
+            if now >= ctx.deadline:
+                raise BlinkTimeoutError(
+                    f"{ctx.label}: rank {self.rank} timed out after {ctx.timeout:g} s waiting for its GPU to finish "
+                    f"{what} (a peer's device work never arrived; BLINK_TIMEOUT_SECONDS={ctx.timeout:g})")
+            if now >= next_warn:
+                log.warning("%s: rank %d's GPU has waited %.0f s for %s", ctx.label, self.rank, now - started, what)
+                next_warn = now + ctx.stall
+            time.sleep(delay)
+            delay = min(delay * 2, 5e-5 if now - started < 0.005 else 1e-3)
+
+    def fail(self, exc: BaseException) -> None:
+        """Mark this rank failed, tell the peers, and stop this rank's kernel from waiting."""
+        if self.failed is None:
+            self.failed = exc
+            self._ctl_view[0] = 1  # the kernel's waits read it: they give up and drain
+            self.t.abort(exc)
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for this rank's work, meet the peers (they read this rank's flags until their kernels end),
+        then free everything."""
+        if self._closed:
+            return
+        self._closed = True
+        idle = True
+        try:
+            try:
+                if self.failed is None:
+                    self.synchronize(min(self.timeout, 60.0))
+                    ctx = WaitContext.start("close", min(self.timeout, 60.0), self.stall)
+                    self.seq += 1
+                    self.t.exchange_meta(self.seq, b"close", ctx)
+                else:
+                    self._ctl_view[0] = 1
+                    idle = self._quiet_drain(5.0)
+            except BaseException as exc:  # noqa: BLE001
+                log.warning("rank %d: GPU work did not drain at close (%s)", self.rank, exc)
+                self._ctl_view[0] = 1
+                idle = self._quiet_drain(5.0)
+            if idle:
+                c = self.cuda
+                self.registry.close()
+                for q, fp in enumerate(self._flag_ptrs):
+                    if fp and q != self.rank:
+                        c.ipc_close(fp)
+                for _, items, trees in self._tables.values():
+                    c.free(items)
+                    c.free(trees)
+                self._tables.clear()
+                c.free(self._own_flags)
+                c.destroy_event(self._event)
+                c.free_host(self._ctl_host)
+            else:
+                log.warning("rank %d: device still busy; CUDA memory is left to process exit", self.rank)
+        finally:
+            self.t.close()
+
+    def _quiet_drain(self, seconds: float) -> bool:
+        if not self._launched:
+            return True
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                if self.cuda.done(self._event):
+                    return True
+            except Exception:  # noqa: BLE001 - a faulted context: nothing more to wait for
+                return False
+            time.sleep(1e-3)
+        return False
+
+    @property
+    def device(self) -> int:
+        return self.cuda.device
+
+    @property
+    def host_ordered(self) -> bool:
+        return False
