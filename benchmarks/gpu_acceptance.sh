@@ -41,6 +41,13 @@ want n4 && perf n4 4 hgx-h200:0,1,2,3 150 -d float,bfloat16 $SIZES $ITERS -c 1
 want n8 && perf n8 8 hgx-h200 180 -d float,bfloat16 $SIZES $ITERS -c 1
 want d4 && perf d4 4 dgx1v:0,1,2,3 150 -d float,bfloat16 $SIZES $ITERS -c 1
 want d8 && perf d8 8 dgx1v 180 -d float,bfloat16 $SIZES $ITERS -c 1
+probe() {  # probe NAME RANKS TOPOLOGY
+    log "start $1"
+    BLINK_TOPOLOGY=$3 timeout -k 5 90 "${MPI[@]}" -np "$2" python3 benchmarks/gpu_latency_probe.py >"$OUT/$1.log" 2>&1
+    log "rc=$? $1"
+}
+want probe2 && probe probe2 2 hgx-h200:0,1
+want probe8 && probe probe8 8 hgx-h200
 want ops && perf ops 4 hgx-h200:0,1,2,3 120 -d all -o all -b 4 -e 4M -f 32 -n 2 -w 1 -c 1
 want bcast && perf bcast 4 hgx-h200:0,1,2,3 120 --collective broadcast -r 1 -d float,bfloat16 $SIZES $ITERS -c 1
 python3 benchmarks/gpu_summary.py "$OUT" >"$OUT/summary.md" 2>&1

@@ -545,8 +545,7 @@ class _DeviceFlat:
                                   f"{list(arr.stride())})")
             import torch
 
-            with torch.cuda.device(arr.device):
-                stream = int(torch.cuda.current_stream().cuda_stream)
+            stream = int(torch.cuda.current_stream(arr.device).cuda_stream)
             return cls(int(arr.data_ptr()), int(arr.numel()), None, torch_name, stream)
         cai = getattr(arr, "__cuda_array_interface__", None)
         if cai is None:

@@ -127,32 +127,64 @@ __device__ __forceinline__ void blink_reduce_one(const BlinkArgs& a, const int* 
     dst[x] = blink_from_acc(finish ? blink_acc_finish_average(acc, finish) : acc);
 }
 
-/* buf[me][lo, hi) = op over the sources, accumulated in blink_acc_t. */
+/* buf[me][lo, hi) = op over the sources, accumulated in blink_acc_t.  Each thread loads U vectors of
+ * every source before it stores any (the destination is source 0, so loads cannot move past stores
+ * by themselves): U * nsrc 16-byte loads in flight per thread. */
 template <int OP>
 __device__ void blink_reduce_range(const BlinkArgs& a, const int* src, int nsrc, long long lo, long long hi,
                                    int finish) {
     const int E = 16 / sizeof(blink_t);
+    const int U = E <= 4 ? 4 : (E == 8 ? 2 : 1);
     long long vlo, vhi;
     blink_split(a, lo, hi, &vlo, &vhi);
     for (long long x = lo + threadIdx.x; x < vlo; x += blockDim.x) blink_reduce_one<OP>(a, src, nsrc, x, finish);
-    const uint4* s[BLINK_MAXR];
-#pragma unroll
-    for (int j = 0; j < BLINK_MAXR; ++j) s[j] = (const uint4*)(a.buf[src[j < nsrc ? j : 0]]);
+    /* source j's vectors: (const uint4*)a.buf[src[j]], looked up where used (shared memory and the
+     * constant bank: an array of 16 pointers would not fit the registers) */
+#define BLINK_SRC(j) ((const uint4*)(a.buf[src[j]]))
     uint4* d = (uint4*)(a.buf[a.rank]);
-    for (long long v = vlo / E + threadIdx.x; v < vhi / E; v += blockDim.x) {
-        BlinkVec in;
-        in.u = s[0][v];
-        blink_acc_t acc[E];
+    const long long step = blockDim.x, end = vhi / E;
+    long long v = vlo / E + threadIdx.x;
+    for (; v + (U - 1) * step < end; v += U * step) {
+        blink_acc_t acc[U][E];
 #pragma unroll
-        for (int k = 0; k < E; ++k) acc[k] = blink_to_acc(in.e[k]);
+        for (int u = 0; u < U; ++u) {
+            BlinkVec in;
+            in.u = BLINK_SRC(0)[v + u * step];
+#pragma unroll
+            for (int k = 0; k < E; ++k) acc[u][k] = blink_to_acc(in.e[k]);
+        }
 #pragma unroll
         for (int j = 1; j < BLINK_MAXR; ++j) {
             if (j < nsrc) {
-                BlinkVec t;
-                t.u = s[j][v];
+                BlinkVec t[U];
 #pragma unroll
-                for (int k = 0; k < E; ++k) acc[k] = blink_acc_op<OP>(acc[k], blink_to_acc(t.e[k]));
+                for (int u = 0; u < U; ++u) t[u].u = BLINK_SRC(j)[v + u * step];
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+#pragma unroll
+                    for (int k = 0; k < E; ++k) acc[u][k] = blink_acc_op<OP>(acc[u][k], blink_to_acc(t[u].e[k]));
             }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            BlinkVec out;
+#pragma unroll
+            for (int k = 0; k < E; ++k)
+                out.e[k] = blink_from_acc(finish ? blink_acc_finish_average(acc[u][k], finish) : acc[u][k]);
+            d[v + u * step] = out.u;
+        }
+    }
+    for (; v < end; v += step) {
+        blink_acc_t acc[E];
+        BlinkVec in;
+        in.u = BLINK_SRC(0)[v];
+#pragma unroll
+        for (int k = 0; k < E; ++k) acc[k] = blink_to_acc(in.e[k]);
+        for (int j = 1; j < nsrc; ++j) {
+            BlinkVec t;
+            t.u = BLINK_SRC(j)[v];
+#pragma unroll
+            for (int k = 0; k < E; ++k) acc[k] = blink_acc_op<OP>(acc[k], blink_to_acc(t.e[k]));
         }
         BlinkVec out;
 #pragma unroll
@@ -160,6 +192,7 @@ __device__ void blink_reduce_range(const BlinkArgs& a, const int* src, int nsrc,
         d[v] = out.u;
     }
     for (long long x = vhi + threadIdx.x; x < hi; x += blockDim.x) blink_reduce_one<OP>(a, src, nsrc, x, finish);
+#undef BLINK_SRC
 }
 
 /* buf[me][lo, hi) = buf[from][lo, hi): 16-byte accesses, four in flight per thread. */
