@@ -53,7 +53,7 @@ def main() -> None:
             e.record()
             e.synchronize()
             dev.append(s.elapsed_time(e) / 1e3)
-        med = lambda v: statistics.median(v) * 1e6  # noqa: E731
+        med = lambda v: statistics.median(v) * 1e6
         out[nbytes] = (loop * 1e6, med(host), med(meta), med(launch), med(dev), np.percentile(host, 90) * 1e6)
     rows = world.gather(out)
     if rank == 0:

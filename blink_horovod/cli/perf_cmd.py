@@ -34,8 +34,9 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ from ..config import load_config
 from ..errors import ConfigError
 from ..units import parse_size
 
-__all__ = ["register", "run", "size_list", "busbw_factor"]
+__all__ = ["busbw_factor", "register", "run", "size_list"]
 
 IMPLS = ("blink", "horovod", "both")
 COLLECTIVES = ("allreduce", "broadcast")

@@ -121,6 +121,7 @@ class TreeExecutor:
         self._modules: dict[str, Any] = {}
         self._tables: OrderedDict[tuple, tuple[Work, int, int]] = OrderedDict()
         self._memo: tuple | None = None
+        self._replays: dict[Any, _Replay] = {}
         self._decoded: tuple[list[bytes], list[dict[str, Any]]] | None = None
         c = cuda
         self._flags_bytes = 8 * FLAG_WORDS
@@ -181,12 +182,14 @@ class TreeExecutor:
     # -- the collective ----------------------------------------------------------------------
     def collective(self, label: str, checked: Mapping[str, Any], extras: Mapping[str, Any], arr: Any,
                    dtype: str, op: str | None, plan_of: Callable[[list[dict[str, Any]]], Any], kind: str = "allreduce",
-                   stream: int | None = None) -> list[dict[str, Any]]:
+                   stream: int | None = None, replay_key: Any = None) -> list[dict[str, Any]]:
         """Launch one collective on ``arr`` (a flat CUDA array with ``ptr``, ``size``, ``nbytes``), in place.
 
         ``kind``: ``allreduce`` (``op`` over every rank, the result everywhere) or ``broadcast`` (the plan's
         root's tensor everywhere).  ``plan_of(all_extras)`` gives the plan (rank 0's rides in the extras on
-        its first use).  Returns every rank's extras.
+        its first use).  Returns every rank's extras.  ``replay_key``: a hashable name of everything that
+        decides this collective's metadata (the caller's promise); the next call with it may then go
+        through :meth:`replay`.
         """
         if self.failed is not None:
             raise BlinkInternalError(f"{label}: this communicator is unusable after an earlier failure: {self.failed}")
@@ -234,7 +237,62 @@ class TreeExecutor:
             self._launched = True
             self.last_meta_seconds = t1 - t0
             self.last_launch_seconds = time.perf_counter() - t1
+            if replay_key is not None and not extras:
+                self._remember(replay_key, label, ptr, work.blocks, fn)
             return all_extras
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
+    def _remember(self, key: Any, label: str, ptr: int, grid: int, fn: Any) -> None:
+        """Keep what :meth:`replay` needs to run this collective again: the payload sent, the payloads
+        received, and the kernel's parameters (the epoch aside)."""
+        args = self._args.copy()
+        argp = (ctypes.c_void_p * 1)(args.ctypes.data)
+        if len(self._replays) > 4096:
+            self._replays.clear()
+        self._replays[key] = _Replay(label, ptr, self.cuda.buffer_id(ptr), self._memo[2], self._decoded[0], args,
+                                     argp, grid, fn)
+
+    def replay(self, key: Any, ptr: int, stream: int | None) -> bool:
+        """Launch again the collective last run with ``replay_key=key`` (same metadata, same tensor); False
+        when nothing is kept for it (or this tensor's allocation changed), and the caller then takes
+        :meth:`collective`.  The host path of a training step's repeated buckets: one buffer identity check,
+        the metadata exchange (a peer that sends other bytes is checked as in :meth:`collective`), one
+        launch."""
+        rec = self._replays.get(key)
+        if rec is None or self.failed is not None or self._closed or threading.get_ident() != self._device_thread:
+            return False
+        if self.cuda.buffer_id(ptr) != rec.bid:
+            del self._replays[key]
+            return False
+        ctx = WaitContext.start(rec.label, self.timeout, self.stall)
+        try:
+            if self._ctl_view[1]:
+                self._check_device_error(ctx)
+            t0 = time.perf_counter()
+            self.seq += 1
+            payloads = self.t.exchange_meta(self.seq, rec.payload, ctx)
+            if payloads != rec.payloads:
+                # Checked fields are compared (a disagreement raises, naming ranks and fields); the same
+                # metadata with a peer's tensor elsewhere only moves that peer's pointer.
+                all_extras = metadata.check_agreement(payloads, self.seq)
+                bufs = rec.args[0]["buf"]
+                for q, e in enumerate(all_extras):
+                    if q != self.rank:
+                        serial, offset, handle, mis = e["g"]
+                        bufs[q] = self.registry.peer(q, serial, offset, bytes.fromhex(handle) if handle else None)
+                        rec.args[0]["vec"] &= int(mis == 0)
+                rec.payloads = payloads
+            t1 = time.perf_counter()
+            self.epoch += 1
+            rec.args[0]["epoch"] = self.epoch
+            sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
+            self.cuda.launch_kernel(rec.fn, rec.grid, THREADS, sp, ctypes.addressof(rec.argp))
+            self.cuda.record(self._event, sp)
+            self.last_meta_seconds = t1 - t0
+            self.last_launch_seconds = time.perf_counter() - t1
+            return True
         except BaseException as exc:
             self.fail(exc)
             raise
@@ -397,3 +455,14 @@ class TreeExecutor:
     @property
     def host_ordered(self) -> bool:
         return False
+
+
+class _Replay:
+    """What :meth:`TreeExecutor.replay` needs to launch a collective again."""
+
+    __slots__ = ("argp", "args", "bid", "fn", "grid", "label", "payload", "payloads", "ptr")
+
+    def __init__(self, label: str, ptr: int, bid: int, payload: bytes, payloads: list[bytes], args: np.ndarray,
+                 argp: Any, grid: int, fn: Any) -> None:
+        self.label, self.ptr, self.bid, self.payload, self.payloads = label, ptr, bid, payload, payloads
+        self.args, self.argp, self.grid, self.fn = args, argp, grid, fn

@@ -134,7 +134,7 @@ template <int OP>
 __device__ void blink_reduce_range(const BlinkArgs& a, const int* src, int nsrc, long long lo, long long hi,
                                    int finish) {
     const int E = 16 / sizeof(blink_t);
-    const int U = E <= 4 ? 4 : (E == 8 ? 2 : 1);
+    const int U = BLINK_UNROLL;
     long long vlo, vhi;
     blink_split(a, lo, hi, &vlo, &vhi);
     for (long long x = lo + threadIdx.x; x < vlo; x += blockDim.x) blink_reduce_one<OP>(a, src, nsrc, x, finish);
