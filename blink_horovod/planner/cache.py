@@ -19,8 +19,8 @@ one key both leave a whole entry.  An entry that cannot be read, is not a valid
 with a warning and planned again.  A cache folder that cannot be written only
 costs the caching (a warning), never the plan.
 
-Looking up a cached plan does not import the planner itself (networkx, scipy,
-cvxpy): only a miss does.
+Looking up a cached plan does not import the planner itself (scipy, HiGHS):
+only a miss does.
 """
 
 from __future__ import annotations

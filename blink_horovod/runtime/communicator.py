@@ -63,7 +63,7 @@ def segment_bounds(count: int, n: int, i: int) -> tuple[int, int]:
 def _default_planner(cfg: Config) -> Planner:
     def plan(topology: Topology, collective: str, root: int | None) -> Plan:
         from ..planner.cache import (
-            cached_plan,  # lazy: planning needs scipy/cvxpy only on a miss
+            cached_plan,  # lazy: planning needs scipy/HiGHS only on a miss
         )
 
         return cached_plan(topology, collective, root, None, cfg.plan_cache)
