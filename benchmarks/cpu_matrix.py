@@ -1,4 +1,4 @@
-"""The CPU correctness matrix of issue 4: ``blink perf -c 1`` on every topology, collective, dtype and op.
+"""The CPU correctness matrix: ``blink perf -c 1`` on every topology, collective, dtype and op.
 
 The acceptance command is
 ``blinkrun -np 4 -H localhost:4 blink perf --impl both -b 1K -e 64M -f 4 -c 1``;

@@ -4,7 +4,7 @@ The launcher (``blinkrun --blink-*``) maps its flags one-to-one onto these
 names (``LAUNCHER_FLAGS``), in the manner of Horovod's
 ``runner/common/util/config_parser.py``.  An invalid value raises
 :class:`~blink_horovod.errors.ConfigError` naming the variable and the value.
-See ../shared/spec/FORMATS.md section 4 for the contract.
+See docs/formats.md, Environment variables for the contract.
 """
 
 from __future__ import annotations

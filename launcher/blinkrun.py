@@ -17,7 +17,7 @@ reach all ranks on all hosts with no extra work.
 
 Bad values (``--blink-timeout -1``, an unknown topology) are refused before
 anything starts: one line on stderr naming the option and the value, exit 2
-(FORMATS.md, section 3).  ``--dry-run`` prints the command it would run.
+(docs/formats.md, Commands).  ``--dry-run`` prints the command it would run.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The TensorFlow adapter: ``horovod.tensorflow`` with Blink underneath (installed by the import hook).
 
 Horovod's TensorFlow collectives are C++ graph ops (``MPI_LIB.horovod_allreduce``
-...).  Blink needs no C++ op of its own (../shared/DESIGN.md, "Tensors cross
+...).  Blink needs no C++ op of its own (docs/architecture.md, "Tensors cross
 without copies"): eagerly, tensors go to numpy and through the engine
 directly; inside graphs (``tf.function``, Keras ``fit``) the collective is a
 ``tf.py_function`` whose body does the same.  Graph ops without data

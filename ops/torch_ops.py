@@ -504,7 +504,7 @@ def _contiguous_backward(fn_cls: Any) -> None:
     ones tensor, and Horovod's backward passes it straight into
     ``allreduce``, whose ``_check_function`` refuses non-contiguous tensors
     (stock Horovod 0.28.1 fails that line with "Tensor is required to be
-    contiguous.").  The issue asks for autograd through allreduce to work,
+    contiguous.").  Autograd through allreduce must work,
     and a gradient's layout is not the user's choice, so the gradients are
     made contiguous here (a copy only when they are not); a non-contiguous
     tensor passed to a collective directly keeps Horovod's ValueError.

@@ -2,7 +2,7 @@
 
 A plan is a pure function of the topology's content, the collective, the root,
 the channels and the planner's code, so it is cached under ``BLINK_PLAN_CACHE``
-(FORMATS.md section 4) in a file named by a hash of exactly those:
+(docs/formats.md, Environment variables) in a file named by a hash of exactly those:
 
 - the topology's :meth:`~blink_horovod.topology.model.Topology.content_hash`
   (GPUs, links, switches, PCIe channel; not its name),
@@ -140,7 +140,7 @@ ORPHAN_SECONDS = 60.0
 
 
 def _sweep_orphans(folder: Path) -> None:
-    """Remove temporary files that writers killed mid-write left behind (issue 6: nothing outlives a job)."""
+    """Remove temporary files that writers killed mid-write left behind (nothing outlives a job)."""
     now = time.time()
     for tmp in folder.glob(".*.tmp"):
         try:

@@ -1,6 +1,6 @@
 """The transport seam: the one small interface the executor drives.
 
-In the manner of httpx's ``BaseTransport`` (../shared/STYLE.md, example 4),
+In the manner of httpx's ``BaseTransport``,
 the executor never knows whether its peers are threads of this process
 (:class:`~blink_horovod.runtime.loopback.LoopbackTransport`, for unit tests)
 or processes of the server sharing POSIX memory

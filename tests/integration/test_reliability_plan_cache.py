@@ -1,6 +1,6 @@
 """The plan cache under faults: killed writers, corrupt entries, concurrent writers.
 
-Issue 6 (Resources) and FORMATS.md section 4 (``BLINK_PLAN_CACHE``): "the
+Reliability requirement (Resources) and docs/formats.md, Environment variables (``BLINK_PLAN_CACHE``): "the
 plan cache is written atomically (a writer killed midway leaves no torn file;
 a corrupt cache entry is ignored and rebuilt)".
 

@@ -1,7 +1,7 @@
 """An independent checker of ``blink-plan/1`` plans: loads, capacities and the optimum.
 
 It shares no code with ``blink_horovod.planner``: it reads the plan and the
-topology as the JSON dicts of ../shared/spec/FORMATS.md (``to_dict()``) and
+topology as the JSON dicts of docs/formats.md (``to_dict()``) and
 recomputes everything from the format's own words:
 
 * structure: each tree an arborescence out of its root over the allocation,

@@ -1,4 +1,4 @@
-"""Issue 2's acceptance sweep, checked by the independent checker (plan_checker.py).
+"""The planner's acceptance sweep, checked by the independent checker (plan_checker.py).
 
 Every NVLink-connected allocation of 3..8 GPUs of DGX-1P and DGX-1V (181
 each) and 50 seeded random heterogeneous machines, both collectives

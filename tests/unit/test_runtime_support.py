@@ -1,7 +1,7 @@
 """Helpers shared by the runtime tests: hand-made plans and loopback ranks as threads.
 
 Plans here are built by hand (chains and stars rooted so that rank i roots the
-i-th 1/n, as FORMATS.md requires of allreduce plans), so the runtime tests do
+i-th 1/n, as docs/formats.md requires of allreduce plans), so the runtime tests do
 not depend on the planner; programs come from the real schedule compiler.
 """
 
