@@ -2,9 +2,12 @@
 
 Every argument of ``horovodrun`` passes through unchanged; ``blinkrun`` adds
 the ``--blink-*`` options of ``blink_horovod.config.LAUNCHER_FLAGS`` (one
-option per ``BLINK_*`` variable: ``--blink-topology``, ``--blink-chunk-bytes``,
-``--blink-timeout``, ``--blink-stall-check``, ``--blink-log-level``,
-``--blink-local-size``, ``--blink-plan-cache``) and ``--dry-run``, then runs
+option for each user-facing ``BLINK_*`` variable: ``--blink-topology``,
+``--blink-chunk-bytes``, ``--blink-timeout``, ``--blink-stall-check``,
+``--blink-log-level``, ``--blink-local-size``, ``--blink-plan-cache``; the
+tuning and test switches, such as ``BLINK_STREAM_COPY`` or ``BLINK_FAULT``,
+are set in the environment, which ``horovodrun`` passes on as well) and
+``--dry-run``, then runs
 
     horovodrun ARGS...   with BLINK_ENABLE=1, the BLINK_* variables and
                          TF_USE_LEGACY_KERAS=1 (unless already set) in its environment.
