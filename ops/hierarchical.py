@@ -15,14 +15,15 @@ with different topologies, and so different trees, still meet in stage 2.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from ..runtime.hierarchical import hierarchical_allreduce, hierarchical_broadcast
 from .layout import Layout
 
-__all__ = ["CrossTransport", "IntraCommunicator", "Hierarchy"]
+__all__ = ["CrossTransport", "Hierarchy", "IntraCommunicator"]
 
 
 class IntraCommunicator(Protocol):

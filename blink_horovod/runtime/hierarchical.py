@@ -24,14 +24,14 @@ calls, ``blink perf`` for the raw communicator).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from .communicator import Communicator
 from .dtypes import check_op, dtype_name, finish_average
 
-__all__ = ["hierarchical_allreduce", "hierarchical_broadcast", "CrossAllreduce", "CrossBroadcast"]
+__all__ = ["CrossAllreduce", "CrossBroadcast", "hierarchical_allreduce", "hierarchical_broadcast"]
 
 CrossAllreduce = Callable[[np.ndarray, str], None]  # (segment, op) -> None, in place
 CrossBroadcast = Callable[[np.ndarray], None]  # (whole array) -> None, in place, from the root's server

@@ -75,7 +75,7 @@ def test_mismatch_raises_on_every_rank_naming_both_values(ranks, record, field: 
         injected=f"rank 1 of {n}: {', '.join(f'{k}={v}' for k, v in odd.items())}; others {', '.join(f'{k}={base[k]}' for k in odd)}",
         behaviour=f"all {n} ranks raise {'/'.join(kinds)}: \"{errors[0]['message']}\"",
         seconds=max(delays),
-        limits=f"timeout {timeout:g} s",
+        limits=f"timeout {TIMEOUT_S:g} s",
     )
     for r, ev in zip(results, errors):
         assert ev["type"] == "MismatchError", (r.rank, ev)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_run import assert_bad_input, blink
+from support.cli import assert_bad_input, blink
 
 from blink_horovod.planner.plan import Plan, validate_plan
 from blink_horovod.topology import machine, resolve

@@ -6,7 +6,7 @@ import dataclasses
 import time
 
 import pytest
-from test_schedule_plans import allreduce_plan, broadcast_plan, sample_plans
+from support.plans import allreduce_plan, broadcast_plan, sample_plans
 
 from blink_horovod.errors import ScheduleError
 from blink_horovod.planner.plan import Plan, Tree

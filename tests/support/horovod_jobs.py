@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKERS = Path(__file__).resolve().parent / "ops_workers"
+WORKERS = ROOT / "tests" / "parallel" / "ops_workers"
 VENV_BIN = Path(sys.executable).parent
 
 

@@ -1,11 +1,11 @@
 """One rank of a shared-memory runtime test, started as a subprocess by the tests of tests/parallel.
 
-``python test_runtime_rank.py DIR RANK NRANKS SCENARIO [ARGS...]`` joins the
+``python runtime_rank.py DIR RANK NRANKS SCENARIO [ARGS...]`` joins the
 server through a :class:`FileRendezvous` in DIR, builds a real
 :class:`Communicator` over ``/dev/shm`` (hand-made chain plans unless
 ``BLINK_TEST_PLANNER=real``), runs SCENARIO and prints one JSON line with its
 result; an error prints ``{"error": class, "message": ...}`` and exits 3.
-No tests are collected from this file.
+The tests start it with ``tests/`` on ``PYTHONPATH`` (for ``support``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,6 @@ import time
 import traceback
 
 import numpy as np
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "unit"))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 from blink_horovod.config import load_config
 from blink_horovod.runtime.communicator import Communicator
@@ -116,7 +112,7 @@ def main() -> int:
     rdv = FileRendezvous(directory, rank, n, timeout=cfg.timeout_seconds)
     planner = None
     if os.environ.get("BLINK_TEST_PLANNER") != "real":
-        from test_runtime_support import hand_planner
+        from support.loopback import hand_planner
 
         planner = hand_planner(os.environ.get("BLINK_TEST_SHAPE", "chain"))
     comm = None
