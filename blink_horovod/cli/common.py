@@ -1,4 +1,4 @@
-"""Helpers the ``blink`` subcommands share: reading a topology, writing output.
+"""What the ``blink`` subcommands share: reading a topology, writing output.
 
 Both turn the operating system's complaints (a missing or unreadable file, a
 folder that cannot be written) into one-line errors that name the flag and the

@@ -35,7 +35,7 @@ def test_compiled_programs_pass(name: str, plan: Plan, count: int, chunk: int) -
         check_program(prog, plan)
 
 
-# -- helpers that break a program ---------------------------------------------
+# -- ways to break a program --------------------------------------------------
 
 
 def replace_rank(prog: Program, r: int, ops: list[Op]) -> Program:

@@ -1,4 +1,4 @@
-"""Sweep helpers, the Blink side with hand-built plans, the multi-server model, the progress bar."""
+"""The sweep's parts, the Blink side with hand-built plans, the multi-server model, the progress bar."""
 
 from __future__ import annotations
 
