@@ -40,7 +40,7 @@ test: install
 	if [ $$rc -eq 5 ]; then echo "[test] pytest collected no tests (tests/ dirs empty)"; exit 0; fi; \
 	exit $$rc
 
-# The fault cases of issue 6; docs/reliability.md is rendered from this run's measurements.
+# The fault cases; docs/reliability.md is rendered from this run's measurements.
 reliability: export OMPI_ALLOW_RUN_AS_ROOT := 1
 reliability: export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 reliability: install

@@ -43,7 +43,7 @@ def _packages():
 PACKAGES, PACKAGE_DIR = _packages()
 
 
-# --- BLINK_ENABLE import hook (added by the Horovod-integration engineer) -------------------
+# --- BLINK_ENABLE import hook ----------------------------------------------------------------
 # ops/blink_horovod_hook.pth must land at the top of site-packages so that it runs at
 # interpreter start-up (see ops/hook.py). build_py covers wheels / `pip install .`;
 # editable_wheel covers `pip install -e .` (PEP 660), which would otherwise skip it.
@@ -84,9 +84,8 @@ setup(
     python_requires=">=3.11",
     install_requires=[
         "numpy",
-        "networkx",
         "scipy",
-        "cvxpy",
+        "highspy",
     ],
     cmdclass=CMDCLASS,
     entry_points={

@@ -1,4 +1,4 @@
-"""Issue 4's CPU acceptance command, run as written, repeated, with the load beside every run.
+"""The CPU acceptance command, run as written, repeated, with the load beside every run.
 
     blinkrun -np 4 -H localhost:4 [--gloo] blink perf --impl both -b 1K -e 64M -f 4 -c 1   (-n 20 -w 5: the defaults)
 
@@ -11,7 +11,7 @@ writes ``NAME.log`` (the table, ``uptime`` before and after) and ``NAME.json``
 that invocation (e.g. ``BLINK_MPI_YIELD=0`` to measure what it saves); it
 reaches both implementations, which share the processes.
 
-    .venv/bin/python benchmarks/cpu_acceptance.py --out benchmarks/results/cpu-2026-12-03 --repeats 3
+    .venv/bin/python benchmarks/cpu_acceptance.py --out build/cpu-acceptance --repeats 3
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CPU correctness matrix of issue 4: ``blink perf -c 1`` on every topology, collective, dtype and op.
+"""The CPU correctness matrix: ``blink perf -c 1`` on every topology, collective, dtype and op.
 
 The acceptance command is
 ``blinkrun -np 4 -H localhost:4 blink perf --impl both -b 1K -e 64M -f 4 -c 1``;
@@ -7,7 +7,7 @@ this script runs it for
 * three topologies (``BLINK_TOPOLOGY``): ``flat`` (unset: the ranks form
   ``cpu``, fully connected, equal links), a DGX-1V allocation
   (``dgx1v:0,1,2,3``, heterogeneous NVLink bundles) and a random machine file
-  (``tests/unit/plan_checker.random_machine``, seed 4: a switch, a PCIe
+  (``tests/support/plan_checker.random_machine``, seed 4: a switch, a PCIe
   channel, so hybrid plans, and a GPU pair without a direct link, so even
   small messages go through the trees),
 * allreduce (every op of ``-o all``: sum, average, min, max, product) and
@@ -43,8 +43,8 @@ COLLECTIVES = ("allreduce", "broadcast")
 
 def random_machine_file(folder: Path) -> Path:
     """The random machine as a ``blink-topology/1`` file (the tests' seeded generator)."""
-    sys.path.insert(0, str(ROOT / "tests" / "unit"))
-    from plan_checker import random_machine  # noqa: E402 - the project's own generator
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.plan_checker import random_machine  # noqa: E402 - the project's own generator
 
     path = folder / f"random{RANDOM_SEED}.json"
     path.write_text(json.dumps(random_machine(RANDOM_SEED, 4), indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""CPU speed of issue 4: Blink against stock Horovod in the same ``blink perf --impl both`` run.
+"""CPU speed: Blink against stock Horovod in the same ``blink perf --impl both`` run.
 
 Acceptance: busbw at 64 MB >= 4x stock Horovod's in the same run, small-message
 latency reported.  Each configuration launches 4 ranks on this host and runs

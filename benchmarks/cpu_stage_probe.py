@@ -1,5 +1,5 @@
 """CPU and wall time per Blink 64 MB allreduce, 4 ranks on the file rendezvous (no Horovod), and
-one rank's execution steps (session 13b: staging interleaved with the program).
+one rank's execution steps (staging interleaved with the program).
 
     .venv/bin/python benchmarks/cpu_stage_probe.py [--dump] [--iters N] [--np 4] [--bytes 64M]
 

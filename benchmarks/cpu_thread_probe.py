@@ -1,4 +1,4 @@
-"""Per-thread CPU of a loop of Blink 64 MB allreduces with Horovod initialised (session 13 diagnosis).
+"""Per-thread CPU of a loop of Blink 64 MB allreduces with Horovod initialised.
 
     blinkrun -np 4 -H localhost:4 python benchmarks/cpu_thread_probe.py            # MPI controller here
     BLINK_MPI_YIELD=0 BLINK_BACKGROUND_IDLE=0 blinkrun ... benchmarks/cpu_thread_probe.py   # as Horovod leaves it

@@ -4,7 +4,7 @@ For each size it builds an NVSwitch machine (every GPU's 18 x 25 GB/s port on
 one switch, as an HGX board) and a random heterogeneous NVLink mesh
 (about six links per GPU of mixed counts and speeds), plans broadcast and allreduce over NVLink, and prints the
 planner's wall and CPU time per call, the optimum, the plan's rate and its
-tree count; every plan is checked by tests/unit/plan_checker.py (valid, no
+tree count; every plan is checked by tests/support/plan_checker.py (valid, no
 link over capacity at its rate).  Everything runs in this process.
 
 Usage::
@@ -23,9 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
+sys.path.insert(0, str(ROOT / "tests"))
 
-from plan_checker import check_plan  # tests/unit is on the path above
+from support.plan_checker import check_plan  # tests/ is on the path above
 
 from blink_horovod.planner import make_plan
 from blink_horovod.topology import Link, Topology, machine

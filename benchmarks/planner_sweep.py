@@ -4,7 +4,7 @@ For every NVLink-connected allocation of 3..8 GPUs of ``dgx1p`` and ``dgx1v``
 (181 each) and 50 seeded random heterogeneous machines (tests/unit/
 plan_checker.py's ``random_machine``), both collectives (broadcast from the
 first GPU), it plans with ``make_plan`` and checks the plan with the
-independent checker (tests/unit/plan_checker.py): validity, no link over
+independent checker (tests/support/plan_checker.py): validity, no link over
 capacity at ``rate_gbps``, and ``rate_gbps >= 0.999 x`` the checker's own
 optimum.  It prints tree counts, planning times and any failure.
 
@@ -25,9 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
+sys.path.insert(0, str(ROOT / "tests"))
 
-from plan_checker import (
+from support.plan_checker import (
     check_plan,
     connected_subsets,
     independent_optimum,

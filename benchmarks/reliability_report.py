@@ -1,4 +1,4 @@
-"""Render ``docs/reliability.md`` from a run of the reliability tests (issue 6, Acceptance).
+"""Render ``docs/reliability.md`` from a run of the reliability tests.
 
 The integration tests (``tests/integration/test_reliability_*.py``) record,
 for every fault they inject, how it was injected, what the ranks did and how
@@ -50,13 +50,13 @@ fault (the test's SIGKILL or SIGSTOP, or the start of the collective that
 faults) to the instant the error reached the rank's code (wall clock of one
 host). Where several ranks raise, the slowest is shown. The tests run with
 small limits (`BLINK_STALL_CHECK_SECONDS` and `BLINK_TIMEOUT_SECONDS` as
-listed per case); the defaults are 60 s and 600 s (FORMATS.md section 4).
+listed per case); the defaults are 60 s and 600 s (docs/formats.md, Environment variables).
 
 **{passed} of {total} cases passed**{failed_note}.
 """
 
 
-# Sections in the order of issue 6's list; faults not named here follow in run order.
+# Sections in a fixed order (kinds of fault); faults not named here follow in run order.
 ORDER = (
     "mismatch across ranks",
     "a rank dies",
@@ -72,7 +72,7 @@ ORDER = (
     "bad input",
 )
 
-# What issue 6 asks for that a run may not (yet) show: said in the document, not hidden.
+# What the reliability cases cover that a run may not (yet) show: said in the document, not hidden.
 EXPECTED = {
     "elastic": "Elastic (hvd.elastic.run reset with a different rank set, results equal to stock Horovod "
                "elastic): no case in this run.",

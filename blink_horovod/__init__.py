@@ -1,7 +1,7 @@
 """blink_horovod: Blink's topology-specific spanning-tree collectives as a Horovod plugin.
 
 Importing this package never imports a framework or Horovod.  See
-../shared/DESIGN.md for the layers and ../shared/spec/FORMATS.md for the
+docs/architecture.md for the layers and docs/formats.md for the
 public contracts.
 """
 

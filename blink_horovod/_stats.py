@@ -1,4 +1,4 @@
-"""Process-wide counters behind :func:`blink_horovod.stats` (FORMATS.md section 5)."""
+"""Process-wide counters behind :func:`blink_horovod.stats` (docs/formats.md, Python API)."""
 
 from __future__ import annotations
 

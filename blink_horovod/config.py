@@ -1,10 +1,11 @@
 """Every ``BLINK_*`` environment variable, read and validated in one place.
 
-The launcher (``blinkrun --blink-*``) maps its flags one-to-one onto these
-names (``LAUNCHER_FLAGS``), in the manner of Horovod's
+The launcher (``blinkrun --blink-*``) maps its flags one-to-one onto the
+user-facing names among these (``LAUNCHER_FLAGS``; tuning and test switches
+have no flag), in the manner of Horovod's
 ``runner/common/util/config_parser.py``.  An invalid value raises
 :class:`~blink_horovod.errors.ConfigError` naming the variable and the value.
-See ../shared/spec/FORMATS.md section 4 for the contract.
+See docs/formats.md, Environment variables for the contract.
 """
 
 from __future__ import annotations

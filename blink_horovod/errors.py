@@ -15,10 +15,12 @@ Messages name the field, the value and, across ranks, which ranks disagree, in
 the manner of Horovod's coordinator ("Mismatched tensor shapes: One rank sent
 ..., another rank sent ...") and its stall inspector ("Missing ranks: ...").
 
-``BlinkError`` derives from ``RuntimeError`` (as Horovod's own errors do) and
-``ValueError`` is *not* a base, so ``except ValueError`` in user code never
-swallows a Blink failure by accident.  Errors about bad *input* also derive
-from ``ValueError`` so that argument-checking code behaves as users expect.
+``BlinkError`` derives from ``RuntimeError``, as Horovod's own errors do.
+Errors about bad *input* (``ConfigError``, ``TopologyError``, ``PlanError``)
+are ``ValueError`` s too, so that argument-checking code behaves as users
+expect; failures of a running collective (``MismatchError``,
+``BlinkTimeoutError``, ``BlinkInternalError``, ``ScheduleError``) are not, so
+``except ValueError`` in user code never swallows one of them by accident.
 """
 
 from __future__ import annotations

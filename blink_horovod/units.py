@@ -1,7 +1,7 @@
 """Sizes and rates as nccl-tests writes them.
 
 Sizes take the suffixes K, M, G (2**10, 2**20, 2**30 bytes); rates are GB/s
-(10**9 bytes/s), as in ../shared/spec/FORMATS.md section 3.
+(10**9 bytes/s), as in docs/formats.md, Commands.
 """
 
 from __future__ import annotations

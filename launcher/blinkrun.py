@@ -2,9 +2,12 @@
 
 Every argument of ``horovodrun`` passes through unchanged; ``blinkrun`` adds
 the ``--blink-*`` options of ``blink_horovod.config.LAUNCHER_FLAGS`` (one
-option per ``BLINK_*`` variable: ``--blink-topology``, ``--blink-chunk-bytes``,
-``--blink-timeout``, ``--blink-stall-check``, ``--blink-log-level``,
-``--blink-local-size``, ``--blink-plan-cache``) and ``--dry-run``, then runs
+option for each user-facing ``BLINK_*`` variable: ``--blink-topology``,
+``--blink-chunk-bytes``, ``--blink-timeout``, ``--blink-stall-check``,
+``--blink-log-level``, ``--blink-local-size``, ``--blink-plan-cache``; the
+tuning and test switches, such as ``BLINK_STREAM_COPY`` or ``BLINK_FAULT``,
+are set in the environment, which ``horovodrun`` passes on as well) and
+``--dry-run``, then runs
 
     horovodrun ARGS...   with BLINK_ENABLE=1, the BLINK_* variables and
                          TF_USE_LEGACY_KERAS=1 (unless already set) in its environment.
@@ -17,7 +20,7 @@ reach all ranks on all hosts with no extra work.
 
 Bad values (``--blink-timeout -1``, an unknown topology) are refused before
 anything starts: one line on stderr naming the option and the value, exit 2
-(FORMATS.md, section 3).  ``--dry-run`` prints the command it would run.
+(docs/formats.md, Commands).  ``--dry-run`` prints the command it would run.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ rest to NCCL; here the rest (Adasum, sparse gradients, allgather, alltoall,
 reducescatter, process sets that do not cover whole servers, ops recorded by
 the timeline, device tensors without a GPU runtime) goes to stock Horovod.
 Every such call is counted in ``blink_horovod.stats()["fallback"]``
-(FORMATS.md section 5) and each *kind* is logged once per process, at
+(docs/formats.md, Python API) and each *kind* is logged once per process, at
 ``warning`` level, so a user sees what Blink left alone without a flood.
 """
 

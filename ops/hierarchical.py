@@ -1,47 +1,40 @@
-"""The hierarchical allreduce and broadcast: Blink's trees within a server, Horovod's rings across.
+"""The hierarchical allreduce and broadcast of a Horovod job: Blink's trees within a server, Horovod's rings across.
 
-../shared/DESIGN.md, "The flow of one allreduce" (after Blink, section 3.3,
-and Horovod's hierarchical allreduce, which does the same with NCCL
-reduce-scatter / MPI allreduce / NCCL allgather):
+The three stages themselves are written once, in
+:mod:`blink_horovod.runtime.hierarchical` (docs/architecture.md has the whole
+flow); this module binds them to the job: which ranks form a server
+(:mod:`.layout`), this server's communicator, and the cross-server stage on a
+Horovod process set of the same local rank on every server (a
+:class:`CrossTransport` a framework adapter provides).  Single-server jobs run
+``Communicator.allreduce``; servers of one rank run the cross stage alone.
 
-1. intra-server: each local rank's 1/n of the buffer is reduced up its trees
-   to it -- ``Communicator.reduce_to_roots`` returns that rank's segment;
-2. cross-server: each local rank allreduces its segment with the same local
-   rank of every other server, on a Horovod process set (Horovod's rings over
-   Gloo, MPI or NCCL).  Every local rank carries 1/n of the cross-server bytes,
-   so all of a server's NICs / GPUs work at once;
-3. intra-server: the segments are broadcast down the trees
-   (``Communicator.broadcast_from_roots``).
-
-Single-server jobs skip stage 2 and run ``Communicator.allreduce``.
-
-A broadcast from global rank ``R`` = (server ``S``, local rank ``l``): ``R``
-broadcasts to local rank ``l`` of every other server (the same process sets),
-then every server broadcasts from its local rank ``l`` down its own trees.
-
-The segment of local rank ``i`` is a byte range fixed by the plan contract
-(FORMATS.md: "the i-th GPU the i-th contiguous 1/n"), so servers with
-different topologies -- and so different trees -- still meet in stage 2.
+The segment of local rank ``i`` is a byte range fixed by the plan format
+(docs/formats.md: the i-th GPU roots the i-th contiguous 1/n), so servers
+with different topologies, and so different trees, still meet in stage 2.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
+from ..runtime.hierarchical import hierarchical_allreduce, hierarchical_broadcast
 from .layout import Layout
 
-__all__ = ["CrossTransport", "IntraCommunicator", "Hierarchy"]
+__all__ = ["CrossTransport", "Hierarchy", "IntraCommunicator"]
 
 
 class IntraCommunicator(Protocol):
     """The part of ``blink_horovod.runtime.communicator.Communicator`` used here."""
 
-    def allreduce(self, arr: np.ndarray, op: str = "sum") -> None: ...
-    def broadcast(self, arr: np.ndarray, root: int) -> None: ...
-    def reduce_to_roots(self, arr: np.ndarray, op: str) -> tuple[int, int]: ...
-    def broadcast_from_roots(self, arr: np.ndarray) -> None: ...
+    local_rank: int
+
+    def allreduce(self, arr: np.ndarray, op: str = "sum", name: str | None = None) -> np.ndarray: ...
+    def broadcast(self, arr: np.ndarray, root: int = 0, name: str | None = None) -> np.ndarray: ...
+    def reduce_to_roots(self, arr: np.ndarray, op: str = "sum", name: str | None = None) -> tuple[int, int]: ...
+    def broadcast_from_roots(self, arr: np.ndarray, name: str | None = None) -> np.ndarray: ...
     def barrier(self) -> None: ...
 
 
@@ -87,10 +80,9 @@ class Hierarchy:
         if self.intra is None:  # one rank per server: the cross stage is the whole allreduce
             self.cross.allreduce(flat, op, self.layout.cross_ranks(), f"{tag}.x")
             return
-        start, end = self.intra.reduce_to_roots(flat, op)
-        if end > start:
-            self.cross.allreduce(flat[start:end], op, self.layout.cross_ranks(), f"{tag}.x")
-        self.intra.broadcast_from_roots(flat)
+        cross, ranks = self.cross, self.layout.cross_ranks()
+        hierarchical_allreduce(self.intra, flat, op, lambda seg, o: cross.allreduce(seg, o, ranks, f"{tag}.x"),
+                               self.layout.size)
 
     def barrier(self, tag: str) -> None:
         """The data stage of ``hvd.barrier``: no rank leaves before every rank has finished the round.
@@ -115,8 +107,15 @@ class Hierarchy:
         """Broadcast ``flat`` from global rank ``root`` to every rank of the job, in place."""
         if flat.size == 0:
             return
-        root_server, root_local = self.layout.locate(root)
-        if self.cross is not None and self.layout.local_rank == root_local:
-            self.cross.broadcast(flat, root, self.layout.cross_ranks(), f"{tag}.x")
-        if self.intra is not None:
-            self.intra.broadcast(flat, root_local)
+        _, root_local = self.layout.locate(root)
+        cross, ranks = self.cross, self.layout.cross_ranks()
+
+        def across(arr: np.ndarray) -> None:
+            if cross is not None:
+                cross.broadcast(arr, root, ranks, f"{tag}.x")
+
+        if self.intra is None:
+            if self.layout.local_rank == root_local:
+                across(flat)
+            return
+        hierarchical_broadcast(self.intra, flat, root_local, across)

@@ -10,7 +10,7 @@ run through Blink unchanged.  This module adds two things:
 - a clear error under Keras 3: Horovod 0.28 needs ``tf.keras`` to be Keras 2
   (``tf_keras``, selected by ``TF_USE_LEGACY_KERAS=1`` before TensorFlow is
   imported); under Keras 3 its ``DistributedOptimizer`` silently stops
-  averaging gradients (../shared/reference/horovod-build/README.md), so Blink
+  averaging gradients (seen when building Horovod 0.28.1 here), so Blink
   refuses to run there instead of training divergent replicas;
 - :class:`CommunicationCallback`, which logs per epoch how many collectives
   Blink carried, their bytes and their time (from :func:`blink_horovod.stats`),

@@ -2,7 +2,7 @@
 
 Blink plans one server at a time (the paper, section 3: trees within a DGX-1,
 rings or trees of servers above it).  The hierarchical allreduce of
-../shared/DESIGN.md needs, on every rank, the same answer to "which ranks
+docs/architecture.md needs, on every rank, the same answer to "which ranks
 share my server, and which ranks hold the same local index on the others":
 local rank ``i`` owns the ``i``-th 1/n of every buffer after the intra-server
 reduce, and allreduces it with the local rank ``i`` of every other server.

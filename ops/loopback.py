@@ -1,7 +1,7 @@
 """An in-process cross-server transport: threads standing for servers (tests and tools).
 
 The runtime keeps a loopback transport so that every layer above it runs in
-one process (../shared/STYLE.md, example 4: "a transport seam, like httpx");
+one process (a transport seam, as httpx's ``MockTransport``);
 this is the same for the cross-server stage of :mod:`.hierarchical`:
 :class:`LoopbackCrossWorld` holds the state of the "network", and each
 thread's :class:`LoopbackCross` performs Horovod-like collectives on

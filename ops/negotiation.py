@@ -7,7 +7,7 @@ shapes or types under one name become an error on every rank ("Mismatched
 allreduce tensor shapes: One rank sent ..., but another rank sent ...").
 Ranks may therefore submit in different orders.  Blink moves the data
 itself, so its engine runs the same agreement before any byte moves
-(../shared/DESIGN.md, "Same order on every rank"), cheaply:
+(docs/architecture.md, "Same order on every rank"), cheaply:
 
 1. within the server, the ranks allgather their *proposals* -- the queued
    collectives as compact :class:`Entry` tuples (name, metadata digest,

@@ -1,7 +1,7 @@
 """The TensorFlow adapter: ``horovod.tensorflow`` with Blink underneath (installed by the import hook).
 
 Horovod's TensorFlow collectives are C++ graph ops (``MPI_LIB.horovod_allreduce``
-...).  Blink needs no C++ op of its own (../shared/DESIGN.md, "Tensors cross
+...).  Blink needs no C++ op of its own (docs/architecture.md, "Tensors cross
 without copies"): eagerly, tensors go to numpy and through the engine
 directly; inside graphs (``tf.function``, Keras ``fit``) the collective is a
 ``tf.py_function`` whose body does the same.  Graph ops without data
@@ -25,20 +25,14 @@ while the timeline records (counted in ``stats()["fallback"]``).
 
 from __future__ import annotations
 
-import atexit
-import logging
-import os
 import sys
-import threading
 import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..config import load_config
 from ..errors import ConfigError
-from ..runtime.background import forget as forget_threads, noting_new_threads
-from .context import BlinkContext, add_missing_sets, create_context, cross_sets_after_init, plan_init
+from .adapter import Adapter, StockView
 from .engine import Work
 from .errors_bridge import as_horovod_error
 from .fallback import fallback
@@ -48,15 +42,8 @@ from .scaling import needs_scaling, scale_into
 
 __all__ = ["install", "context", "disabled_reason"]
 
-log = logging.getLogger("blink_horovod.ops")
-
 _PKG = "horovod.tensorflow"
-_lock = threading.RLock()
-_ctx: BlinkContext | None = None
-_reason = "hvd.init() has not been called"
-_recording = False
-_cross_sets: dict[tuple[int, ...], Any] = {}
-_atexit_registered = False
+_state = Adapter()
 _m: Any = None        # horovod.tensorflow.mpi_ops
 _pkg: Any = None      # horovod.tensorflow
 _chain: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
@@ -65,13 +52,8 @@ _TF_NAMES = {"float32": "float32", "float64": "float64", "float16": "float16", "
              "int32": "int32", "int64": "int64", "int8": "int8", "uint8": "uint8", "int16": "int16", "bool": "bool"}
 
 
-def context() -> BlinkContext | None:
-    """The live Blink context of ``horovod.tensorflow`` (None before ``init`` or when Blink stays out)."""
-    return _ctx
-
-
-def disabled_reason() -> str:
-    return "" if _ctx is not None else _reason
+context = _state.context  # the live Blink context (None before ``init`` or when Blink stays out)
+disabled_reason = _state.disabled_reason  # why Blink is not carrying collectives now ("" when it is)
 
 
 def _o(name: str) -> Any:
@@ -95,13 +77,7 @@ def _op_name(op) -> str:
     raise ValueError(f"op: unknown Horovod reduction {op!r}")
 
 
-def _pset_key(process_set) -> tuple[int, ...] | None:
-    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
-        return ()
-    ranks = getattr(process_set, "ranks", None)
-    if ranks is not None and _ctx is not None and sorted(ranks) == list(range(_ctx.layout.size)):
-        return ()
-    return None
+_pset_key = _state.pset_key
 
 
 def _carry_reason(tensors: Sequence[Any], kind: str) -> str:
@@ -128,15 +104,25 @@ def _carry_reason(tensors: Sequence[Any], kind: str) -> str:
 
 
 def _why_stock(tensors, op_name: str | None, process_set, kind: str) -> str:
-    if _ctx is None:
+    if _state.ctx is None:
         return "-"
     if op_name == "adasum":
         return "adasum"
     if _pset_key(process_set) is None:
         return "process set"
-    if _recording:
+    if _state.recording:
         return "timeline"
     return _carry_reason(tensors, kind)
+
+
+def _to_stock(tensors, op_name: str | None, process_set, kind: str) -> bool:
+    """Whether stock Horovod runs this call; counted as a fallback where Blink is live but cannot carry it."""
+    if bypassed():
+        return True
+    why = _why_stock(tensors, op_name, process_set, kind)
+    if why and why != "-":
+        fallback(why, why)
+    return bool(why)
 
 
 # -- the numpy core (eager; also the body of the graph's py_functions) ------------------------------------
@@ -150,7 +136,7 @@ def _as_array(x) -> np.ndarray:
 
 
 def _run_allreduce(values: Sequence[Any], name: str | None, opname: str, pre: float, post: float) -> list[np.ndarray]:
-    ctx = _ctx
+    ctx = _state.ctx
     if ctx is None:
         raise as_horovod_error(ConfigError("Blink: horovod.tensorflow is not initialised (hvd.init())"))
     arrays = [_as_array(v) for v in values]
@@ -165,7 +151,7 @@ def _run_allreduce(values: Sequence[Any], name: str | None, opname: str, pre: fl
 
 
 def _run_broadcast(values: Sequence[Any], root: int, name: str | None) -> list[np.ndarray]:
-    ctx = _ctx
+    ctx = _state.ctx
     if ctx is None:
         raise as_horovod_error(ConfigError("Blink: horovod.tensorflow is not initialised (hvd.init())"))
     if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < ctx.layout.size:
@@ -251,54 +237,36 @@ def _blink_broadcast_list(tensors, root, name):
 
 # -- replaced functions --------------------------------------------------------------------------------------
 
-def _allreduce(tensor, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, ignore_name_scope=False,
-               process_set=None):
-    orig = _o("_allreduce")
+def _allreduce_of(fn_name: str, tensors, grouped: bool, name, op, prescale_factor, postscale_factor,
+                  ignore_name_scope, process_set):
     op = _m.Sum if op is None else op
     process_set = _m.global_process_set if process_set is None else process_set
-    call = lambda: orig(tensor, name=name, op=op, prescale_factor=prescale_factor,  # noqa: E731
-                        postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
-                        process_set=process_set)
-    if bypassed():
-        return call()
-    why = _why_stock([tensor], _op_name(op), process_set, "allreduce")
-    if why:
-        if why != "-":
-            fallback(why, why)
-        return call()
-    return _blink_allreduce_list([tensor], name, op, prescale_factor, postscale_factor)[0]
+    listed = list(tensors) if grouped else [tensors]
+    if _to_stock(listed, _op_name(op), process_set, "allreduce"):
+        return _o(fn_name)(tensors, name=name, op=op, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
+                           process_set=process_set)
+    out = _blink_allreduce_list(listed, name, op, prescale_factor, postscale_factor)
+    return out if grouped else out[0]
+
+
+def _allreduce(tensor, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, ignore_name_scope=False,
+               process_set=None):
+    return _allreduce_of("_allreduce", tensor, False, name, op, prescale_factor, postscale_factor,
+                         ignore_name_scope, process_set)
 
 
 def _grouped_allreduce(tensors, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        ignore_name_scope=False, process_set=None):
-    orig = _o("_grouped_allreduce")
-    op = _m.Sum if op is None else op
-    process_set = _m.global_process_set if process_set is None else process_set
-    call = lambda: orig(tensors, name=name, op=op, prescale_factor=prescale_factor,  # noqa: E731
-                        postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
-                        process_set=process_set)
-    if bypassed():
-        return call()
-    why = _why_stock(list(tensors), _op_name(op), process_set, "allreduce")
-    if why:
-        if why != "-":
-            fallback(why, why)
-        return call()
-    return _blink_allreduce_list(list(tensors), name, op, prescale_factor, postscale_factor)
+    return _allreduce_of("_grouped_allreduce", tensors, True, name, op, prescale_factor, postscale_factor,
+                         ignore_name_scope, process_set)
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=None):
     orig = _o("broadcast")
     process_set = _m.global_process_set if process_set is None else process_set
-    call = lambda: orig(tensor, root_rank, name=name, ignore_name_scope=ignore_name_scope,  # noqa: E731
-                        process_set=process_set)
-    if bypassed():
-        return call()
-    why = _why_stock([tensor], None, process_set, "broadcast")
-    if why:
-        if why != "-":
-            fallback(why, why)
-        return call()
+    if _to_stock([tensor], None, process_set, "broadcast"):
+        return orig(tensor, root_rank, name=name, ignore_name_scope=ignore_name_scope, process_set=process_set)
     return _blink_broadcast_list([tensor], root_rank, name)[0]
 
 
@@ -306,13 +274,8 @@ def broadcast_(variables, root_rank, name=None, process_set=None):
     orig = _o("broadcast_")
     process_set = _m.global_process_set if process_set is None else process_set
     variables = list(variables)
-    if bypassed():
-        return orig(variables, root_rank, name=name, process_set=process_set)
-    why = _why_stock([v.read_value() if hasattr(v, "read_value") else v for v in variables], None, process_set,
-                     "broadcast")
-    if why:
-        if why != "-":
-            fallback(why, why)
+    values = [v.read_value() if hasattr(v, "read_value") else v for v in variables]
+    if _to_stock(values, None, process_set, "broadcast"):
         return orig(variables, root_rank, name=name, process_set=process_set)
     tf = _tf()
     values = _blink_broadcast_list([v.read_value() for v in variables], root_rank, name)
@@ -324,12 +287,12 @@ def broadcast_(variables, root_rank, name=None, process_set=None):
 
 
 def join():
-    if bypassed() or _ctx is None:
+    if bypassed() or _state.ctx is None:
         return _o("join")()
     tf = _tf()
 
     def run(_):
-        ctx = _ctx
+        ctx = _state.ctx
         handle = ctx.engine.new_handle(None)
         ctx.engine.submit(Work(meta=Meta(kind="barrier", name=None, dtypes=(), shapes=()), handle=handle, join=True))
         return [np.asarray(handle.wait(), dtype=np.int32)]
@@ -337,23 +300,10 @@ def join():
     return _py_collective(run, [tf.constant(0, dtype=tf.int32)])[0]
 
 
-def start_timeline(file_path, mark_cycles=False):
-    global _recording
-    result = _o("start_timeline")(file_path, mark_cycles)
-    _recording = True
-    return result
-
-
-def stop_timeline():
-    global _recording
-    result = _o("stop_timeline")()
-    _recording = False
-    return result
-
 
 def _stock_passthrough(fn_name: str, kind: str):
     def replacement(*args, **kwargs):
-        if not bypassed() and _ctx is not None:
+        if not bypassed() and _state.ctx is not None:
             fallback(kind, f"Blink does not implement {kind}")
         return _o(fn_name)(*args, **kwargs)
 
@@ -377,11 +327,8 @@ def _make_cached_allreduce_grads_fn(name, device_dense, device_sparse, compressi
     tf = _tf()
 
     def allreduce_grads(grads, vars=None, use_generic_names=False):
-        why = _why_stock([g for g in grads if g is not None and not isinstance(g, tf.IndexedSlices)],
-                         _op_name(op), process_set, "allreduce")
-        if why or bypassed():
-            if why and why != "-":
-                fallback(why, why)
+        dense_grads = [g for g in grads if g is not None and not isinstance(g, tf.IndexedSlices)]
+        if _to_stock(dense_grads, _op_name(op), process_set, "allreduce"):
             return stock(grads, vars, use_generic_names)
         with tf.name_scope(name + "_Allreduce"):
             if sparse_as_dense:
@@ -411,32 +358,6 @@ def _make_cached_allreduce_grads_fn(name, device_dense, device_sparse, compressi
 
 # -- init / shutdown ----------------------------------------------------------------------------------------
 
-class _StockView:
-    def __init__(self, m) -> None:
-        self.m = m
-
-    def rank(self) -> int:
-        return self.m.rank()
-
-    def size(self) -> int:
-        return self.m.size()
-
-    def local_rank(self) -> int:
-        return self.m.local_rank()
-
-    def local_size(self) -> int:
-        return self.m.local_size()
-
-    def is_homogeneous(self) -> bool:
-        return bool(self.m.is_homogeneous())
-
-    def allgather_object(self, obj):
-        from horovod.tensorflow.functions import allgather_object
-
-        with bypass():
-            return allgather_object(obj, name="blink.setup")
-
-
 class _TFCross:
     """Cross-server stage over the original ``horovod.tensorflow`` ops, run eagerly on the engine thread."""
 
@@ -462,54 +383,11 @@ class _TFCross:
 
 
 def init(*args, **kwargs):
-    global _ctx, _reason, _recording, _atexit_registered
-    orig = _o("init")
-    with _lock:
-        m = _m
-        if _ctx is not None and m.is_initialized():
-            return orig(*args, **kwargs)
-        if _ctx is not None:
-            _close_context()
-        comm = args[0] if len(args) > 0 else kwargs.get("comm")
-        process_sets = args[1] if len(args) > 1 else kwargs.get("process_sets")
-        cfg = load_config()
-        plan = plan_init(m.ProcessSet, comm, process_sets)
-        with noting_new_threads():  # Horovod's background thread: idle during Blink's collectives
-            orig(comm, process_sets=plan.process_sets)
-        _recording = bool(os.environ.get("HOROVOD_TIMELINE")) and os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC"
-        if plan.custom_comm:
-            _reason = "hvd.init(comm=...) with a custom communicator"
-            return
-        _cross_sets.clear()
-        _cross_sets.update(cross_sets_after_init(plan))
+    from horovod.tensorflow.functions import allgather_object
 
-        def cross_factory(layout):
-            if not add_missing_sets(layout, _cross_sets, m.add_process_set, getattr(m, "global_process_set", None)):
-                return None
-            return _TFCross(_cross_sets, m)
+    m = _m
+    return _state.init(_o("init"), m, args, kwargs, StockView(m, allgather_object), lambda sets, cfg: _TFCross(sets, m))
 
-        ctx, reason = create_context(_StockView(m), cross_factory, cfg)
-        _ctx, _reason = ctx, reason
-        if ctx is None:
-            log.warning("blink: Blink stays out of this job, stock Horovod runs every collective: %s", reason)
-        if not _atexit_registered:
-            atexit.register(_close_context)
-            _atexit_registered = True
-
-
-def _close_context() -> None:
-    global _ctx, _reason
-    with _lock:
-        ctx, _ctx = _ctx, None
-        _reason = "Horovod has been shut down"
-    if ctx is not None:
-        ctx.close()
-
-
-def shutdown(*args, **kwargs):
-    _close_context()
-    forget_threads()
-    return _o("shutdown")(*args, **kwargs)
 
 
 _REPLACED = {
@@ -518,10 +396,8 @@ _REPLACED = {
     "broadcast": broadcast,
     "broadcast_": broadcast_,
     "join": join,
-    "start_timeline": start_timeline,
-    "stop_timeline": stop_timeline,
     "init": init,
-    "shutdown": shutdown,
+    **_state.replacements(_o),
     "allgather": _stock_passthrough("allgather", "allgather"),
     "grouped_allgather": _stock_passthrough("grouped_allgather", "allgather"),
     "alltoall": _stock_passthrough("alltoall", "alltoall"),

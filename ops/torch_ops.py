@@ -28,19 +28,13 @@ and the submission order keep Horovod's semantics.
 
 from __future__ import annotations
 
-import atexit
-import logging
-import os
 import sys
-import threading
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..config import load_config
 from ..errors import ConfigError
-from ..runtime.background import forget as forget_threads, noting_new_threads
-from .context import BlinkContext, add_missing_sets, create_context, cross_sets_after_init, plan_init
+from .adapter import Adapter, StockView
 from .engine import Handle, StockWaiter, Work
 from .errors_bridge import as_horovod_error
 from .fallback import fallback
@@ -51,26 +45,13 @@ from .torch_cross import TorchCross, wait_horovod
 
 __all__ = ["install", "context", "disabled_reason"]
 
-log = logging.getLogger("blink_horovod.ops")
-
 _PKG = "horovod.torch"
-_lock = threading.RLock()
-_ctx: BlinkContext | None = None
-_reason = "hvd.init() has not been called"
-_recording = False
-_cross_sets: dict[tuple[int, ...], Any] = {}
-_atexit_registered = False
+_state = Adapter()
 _mpi_ops: Any = None
 
 
-def context() -> BlinkContext | None:
-    """The live Blink context of ``horovod.torch`` (None before ``init`` or when Blink stays out)."""
-    return _ctx
-
-
-def disabled_reason() -> str:
-    """Why Blink is not carrying collectives right now ("" when it is)."""
-    return "" if _ctx is not None else _reason
+context = _state.context  # the live Blink context (None before ``init`` or when Blink stays out)
+disabled_reason = _state.disabled_reason  # why Blink is not carrying collectives now ("" when it is)
 
 
 def _o(name: str) -> Any:
@@ -128,14 +109,7 @@ def _carry_reason(tensors: Sequence[Any], kind: str) -> str:
     return ""
 
 
-def _pset_key(process_set) -> tuple[int, ...] | None:
-    """() for the whole job, None for a process set Blink leaves to Horovod."""
-    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
-        return ()
-    ranks = getattr(process_set, "ranks", None)
-    if ranks is not None and _ctx is not None and sorted(ranks) == list(range(_ctx.layout.size)):
-        return ()
-    return None
+_pset_key = _state.pset_key
 
 
 def _op_name(op) -> str:
@@ -174,7 +148,7 @@ def _stock(kind: str, detail: str, process_set, submit_stock, name: str | None, 
     across servers), so its automatic names would no longer meet.
     """
     fallback(kind, detail)
-    ctx = _ctx
+    ctx = _state.ctx
     if ctx is None or _pset_key(process_set) is None:
         if name is None:
             ranks = tuple(getattr(process_set, "ranks", None) or ())
@@ -198,7 +172,7 @@ def _stock(kind: str, detail: str, process_set, submit_stock, name: str | None, 
 
 def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set):
     orig = _o("_allreduce_async")
-    if bypassed() or _ctx is None:
+    if bypassed() or _state.ctx is None:
         return orig(tensor, output, name, op, prescale_factor, postscale_factor, process_set)
     return _allreduce_common([tensor], [output], name, op, prescale_factor, postscale_factor, process_set,
                              lambda nm: orig(tensor, output, nm, op, prescale_factor, postscale_factor, process_set),
@@ -207,7 +181,7 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
 
 def _grouped_allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set):
     orig = _o("_grouped_allreduce_async")
-    if bypassed() or _ctx is None:
+    if bypassed() or _state.ctx is None:
         return orig(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set)
     return _allreduce_common(list(tensors), list(outputs), name, op, prescale_factor, postscale_factor, process_set,
                              lambda nm: orig(tensors, outputs, nm, op, prescale_factor, postscale_factor, process_set),
@@ -245,7 +219,7 @@ def _allreduce_common(tensors, outputs, name, op, pre, post, process_set, stock_
     key = _pset_key(process_set)
     if key is None:
         return _stock("process set", "process sets other than the whole job", process_set, stock_call, name, tensors)
-    if _recording:
+    if _state.recording:
         return _stock("timeline", "the timeline is recording", process_set, stock_call, name, tensors)
     why = _carry_reason(tensors, "allreduce")
     if why:
@@ -264,7 +238,7 @@ def _allreduce_common(tensors, outputs, name, op, pre, post, process_set, stock_
     meta = Meta(kind="allreduce", name=name, dtypes=tuple(_dtype_name(t) for t in tensors),
                 shapes=tuple(tuple(t.shape) for t in tensors), op=opname, prescale=float(pre),
                 postscale=float(post), process_set=key)
-    ctx = _ctx
+    ctx = _state.ctx
     handle = ctx.engine.new_handle(name)
     result = tuple(outputs) if grouped else outputs[0]
     work = Work(meta=meta, handle=handle, arrays=arrays, finish=lambda: result, keepalive=(tensors, outputs))
@@ -273,7 +247,7 @@ def _allreduce_common(tensors, outputs, name, op, pre, post, process_set, stock_
 
 def _broadcast_async(tensor, output, root_rank, name, process_set):
     orig = _o("_broadcast_async")
-    if bypassed() or _ctx is None:
+    if bypassed() or _state.ctx is None:
         return orig(tensor, output, root_rank, name, process_set)
     m = _mpi_ops
     _horovod_check(m._broadcast_function_factory, tensor)
@@ -281,12 +255,12 @@ def _broadcast_async(tensor, output, root_rank, name, process_set):
     key = _pset_key(process_set)
     if key is None:
         return _stock("process set", "process sets other than the whole job", process_set, stock_call, name, [tensor])
-    if _recording:
+    if _state.recording:
         return _stock("timeline", "the timeline is recording", process_set, stock_call, name, [tensor])
     why = _carry_reason([tensor], "broadcast")
     if why:
         return _stock(why, why, process_set, stock_call, name, [tensor])
-    ctx = _ctx
+    ctx = _state.ctx
     if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < ctx.layout.size:
         raise as_horovod_error(ConfigError(
             f"root_rank: expected a rank in 0..{ctx.layout.size - 1}, got {root_rank!r}"))
@@ -308,7 +282,7 @@ def _stock_passthrough(fn_name: str, kind: str, tensor_at: int, name_at: int, ps
     """
     def replacement(*args, **kwargs):
         orig = _o(fn_name)
-        if bypassed() or _ctx is None:
+        if bypassed() or _state.ctx is None:
             return orig(*args, **kwargs)
         tensors = args[tensor_at]
         tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
@@ -342,9 +316,9 @@ def synchronize(handle):
 
 
 def join(device=-1) -> int:
-    if bypassed() or _ctx is None:
+    if bypassed() or _state.ctx is None:
         return _o("join")(device)
-    ctx = _ctx
+    ctx = _state.ctx
     handle = ctx.engine.new_handle(None)
     ctx.engine.submit(Work(meta=Meta(kind="barrier", name=None, dtypes=(), shapes=()), handle=handle, join=True))
     return int(handle.wait())
@@ -353,117 +327,30 @@ def join(device=-1) -> int:
 def barrier(process_set=None):
     if process_set is None:
         process_set = _mpi_ops.global_process_set
-    if bypassed() or _ctx is None or _pset_key(process_set) is None:
+    if bypassed() or _state.ctx is None or _pset_key(process_set) is None:
         return _o("barrier")(process_set)
-    ctx = _ctx
+    ctx = _state.ctx
     handle = ctx.engine.new_handle(None)
     ctx.engine.submit(Work(meta=Meta(kind="barrier", name=None, dtypes=(), shapes=()), handle=handle))
     handle.wait()
 
 
-def start_timeline(file_path, mark_cycles=False):
-    global _recording
-    result = _o("start_timeline")(file_path, mark_cycles)
-    _recording = True
-    return result
-
-
-def stop_timeline():
-    global _recording
-    result = _o("stop_timeline")()
-    _recording = False
-    return result
-
 
 # -- init / shutdown ------------------------------------------------------------------------------------------
 
-def _split_init_args(args, kwargs):
-    comm = args[0] if len(args) > 0 else kwargs.get("comm")
-    process_sets = args[1] if len(args) > 1 else kwargs.get("process_sets")
-    return comm, process_sets
-
-
 def init(*args, **kwargs):
-    global _ctx, _reason, _recording, _atexit_registered
-    orig = _o("init")
-    with _lock:
-        m = _mpi_ops
-        if _ctx is not None and m.is_initialized():
-            return orig(*args, **kwargs)
-        if _ctx is not None:  # Horovod was shut down behind our back (its atexit): start afresh
-            _close_context()
-        comm, process_sets = _split_init_args(args, kwargs)
-        cfg = load_config()
-        plan = plan_init(m.ProcessSet, comm, process_sets)
-        with noting_new_threads():  # Horovod's background thread: idle during Blink's collectives
-            orig(comm, process_sets=plan.process_sets)
-        _recording = bool(os.environ.get("HOROVOD_TIMELINE")) and os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC"
-        if plan.custom_comm:
-            _reason = "hvd.init(comm=...) with a custom communicator"
-            return
-        _cross_sets.clear()
-        _cross_sets.update(cross_sets_after_init(plan))
+    m = _mpi_ops
 
-        def cross_factory(layout):
-            if not add_missing_sets(layout, _cross_sets, m.add_process_set, getattr(m, "global_process_set", None)):
-                return None
-            stock = {n: _o(n) for n in ("_allreduce_async", "_broadcast_async", "_allgather_async", "poll",
-                                        "synchronize")}
-            stock.update(Sum=m.Sum, Min=m.Min, Max=m.Max, Product=m.Product)
-            return TorchCross(stock, _cross_sets, cfg.timeout_seconds)
+    def make_cross(sets, cfg):
+        stock = {n: _o(n) for n in ("_allreduce_async", "_broadcast_async", "_allgather_async", "poll",
+                                    "synchronize")}
+        stock.update(Sum=m.Sum, Min=m.Min, Max=m.Max, Product=m.Product)
+        return TorchCross(stock, sets, cfg.timeout_seconds)
 
-        ctx, reason = create_context(_StockView(m), cross_factory, cfg)
-        _ctx, _reason = ctx, reason
-        if ctx is None:
-            log.warning("blink: Blink stays out of this job, stock Horovod runs every collective: %s", reason)
-        if not _atexit_registered:
-            atexit.register(_close_context)
-            _atexit_registered = True
+    from horovod.torch.functions import allgather_object
 
+    return _state.init(_o("init"), m, args, kwargs, StockView(m, allgather_object), make_cross)
 
-class _StockView:
-    """Stock horovod.torch as :class:`.context.HorovodView` (allgather_object bypasses Blink)."""
-
-    def __init__(self, m) -> None:
-        self.m = m
-
-    def rank(self) -> int:
-        return self.m.rank()
-
-    def size(self) -> int:
-        return self.m.size()
-
-    def local_rank(self) -> int:
-        return self.m.local_rank()
-
-    def local_size(self) -> int:
-        return self.m.local_size()
-
-    def is_homogeneous(self) -> bool:
-        return bool(self.m.is_homogeneous())
-
-    def allgather_object(self, obj):
-        from horovod.torch.functions import allgather_object
-
-        from .patching import bypass
-
-        with bypass():
-            return allgather_object(obj, name="blink.setup")
-
-
-def _close_context() -> None:
-    global _ctx, _reason
-    with _lock:
-        ctx, _ctx = _ctx, None
-        _reason = "Horovod has been shut down"
-    if ctx is not None:
-        ctx.close()
-
-
-def shutdown(*args, **kwargs):
-    _close_context()
-    forget_threads()
-    return _o("shutdown")(*args, **kwargs)
 
 
 # -- installation -------------------------------------------------------------------------------------------------
@@ -484,10 +371,8 @@ _REPLACED = {
     "synchronize": synchronize,
     "join": join,
     "barrier": barrier,
-    "start_timeline": start_timeline,
-    "stop_timeline": stop_timeline,
     "init": init,
-    "shutdown": shutdown,
+    **_state.replacements(_o),
 }
 
 
@@ -504,7 +389,7 @@ def _contiguous_backward(fn_cls: Any) -> None:
     ones tensor, and Horovod's backward passes it straight into
     ``allreduce``, whose ``_check_function`` refuses non-contiguous tensors
     (stock Horovod 0.28.1 fails that line with "Tensor is required to be
-    contiguous.").  The issue asks for autograd through allreduce to work,
+    contiguous.").  Autograd through allreduce must work,
     and a gradient's layout is not the user's choice, so the gradients are
     made contiguous here (a copy only when they are not); a non-contiguous
     tensor passed to a collective directly keeps Horovod's ValueError.
@@ -514,7 +399,7 @@ def _contiguous_backward(fn_cls: Any) -> None:
     orig = fn_cls.backward
 
     def backward(ctx, *grads):
-        if _ctx is not None and not bypassed():
+        if _state.ctx is not None and not bypassed():
             grads = tuple(g.contiguous() if g is not None and hasattr(g, "is_contiguous") else g for g in grads)
         return orig(ctx, *grads)
 

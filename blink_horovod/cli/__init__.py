@@ -1,4 +1,4 @@
-"""The ``blink`` command: ``blink plan|topology|simulate|perf ...`` (FORMATS.md section 3).
+"""The ``blink`` command: ``blink plan|topology|simulate|perf ...`` (docs/formats.md, Commands).
 
 Each subcommand lives in its own module ``blink_horovod.cli.<name>_cmd`` with
 ``register(subparsers)``; the parser it adds sets ``func(args) -> int``.

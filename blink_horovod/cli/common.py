@@ -1,8 +1,8 @@
-"""Helpers the ``blink`` subcommands share: reading a topology, writing output.
+"""What the ``blink`` subcommands share: reading a topology, writing output.
 
 Both turn the operating system's complaints (a missing or unreadable file, a
 folder that cannot be written) into one-line errors that name the flag and the
-value (FORMATS.md section 3: bad input is one line on stderr, exit code 2).
+value (docs/formats.md, Commands: bad input is one line on stderr, exit code 2).
 """
 
 from __future__ import annotations

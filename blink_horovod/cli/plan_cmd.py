@@ -1,4 +1,4 @@
-"""``blink plan``: a ``blink-plan/1`` plan for a topology (FORMATS.md section 3).
+"""``blink plan``: a ``blink-plan/1`` plan for a topology (docs/formats.md, Commands).
 
 ::
 

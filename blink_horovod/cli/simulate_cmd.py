@@ -1,4 +1,4 @@
-"""``blink simulate``: Blink's plans against the NCCL model, in the chunk-level simulator (FORMATS.md section 3).
+"""``blink simulate``: Blink's plans against the NCCL model, in the chunk-level simulator (docs/formats.md, Commands).
 
 ::
 

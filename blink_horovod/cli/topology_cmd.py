@@ -1,4 +1,4 @@
-"""``blink topology``: a ``blink-topology/1`` JSON (FORMATS.md section 3).
+"""``blink topology``: a ``blink-topology/1`` JSON (docs/formats.md, Commands).
 
 ::
 

@@ -1,7 +1,7 @@
 """Planner layer: exact optima, MWU packing, few-tree refinement, hybrid split, plan I/O.
 
-Pure Python on networkx, scipy and cvxpy; never imports MPI, CUDA, a framework
-or Horovod (../shared/DESIGN.md).  ``make_plan`` (:mod:`.api`) is the entry
+Pure Python on numpy, scipy and HiGHS (highspy); never imports MPI, CUDA, a
+framework or Horovod (docs/architecture.md).  ``make_plan`` (:mod:`.api`) is the entry
 point; it is imported on first use (PEP 562), so that reading plans and the
 plan cache's lookups do not pay for numpy/scipy/HiGHS.
 """

@@ -1,6 +1,6 @@
 """``make_plan``: from the links a job got to a provably optimal, few-tree plan.
 
-The stages, per channel (Blink, section 3; ../shared/DESIGN.md):
+The stages, per channel (Blink, section 3; docs/architecture.md):
 
 1. the channel's resource model (:mod:`.network`): NVLink links and switch
    ports, or the PCIe tree of switches;

@@ -2,7 +2,7 @@
 
 A plan is a pure function of the topology's content, the collective, the root,
 the channels and the planner's code, so it is cached under ``BLINK_PLAN_CACHE``
-(FORMATS.md section 4) in a file named by a hash of exactly those:
+(docs/formats.md, Environment variables) in a file named by a hash of exactly those:
 
 - the topology's :meth:`~blink_horovod.topology.model.Topology.content_hash`
   (GPUs, links, switches, PCIe channel; not its name),
@@ -19,8 +19,8 @@ one key both leave a whole entry.  An entry that cannot be read, is not a valid
 with a warning and planned again.  A cache folder that cannot be written only
 costs the caching (a warning), never the plan.
 
-Looking up a cached plan does not import the planner itself (networkx, scipy,
-cvxpy): only a miss does.
+Looking up a cached plan does not import the planner itself (scipy, HiGHS):
+only a miss does.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ ORPHAN_SECONDS = 60.0
 
 
 def _sweep_orphans(folder: Path) -> None:
-    """Remove temporary files that writers killed mid-write left behind (issue 6: nothing outlives a job)."""
+    """Remove temporary files that writers killed mid-write left behind (nothing outlives a job)."""
     now = time.time()
     for tmp in folder.glob(".*.tmp"):
         try:

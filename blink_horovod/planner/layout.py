@@ -1,9 +1,9 @@
 """Lay weighted trees over the bytes of a buffer, and root allreduce pieces at their owners.
 
-FORMATS.md, 2: bytes are assigned to a plan's trees in list order, and an
+docs/formats.md, Plan file: bytes are assigned to a plan's trees in list order, and an
 allreduce plan gives the i-th GPU of ``gpus`` exactly the i-th contiguous 1/n
 of the bytes as root (the fixed byte-range-to-local-rank map the hierarchical
-allreduce's cross-server stage relies on; DESIGN.md, "Multi-root").
+allreduce's cross-server stage relies on; docs/architecture.md).
 
 A tree that reduces up to its root and broadcasts back down loads each of its
 links once in each direction whatever the root, so any tree can be cut into

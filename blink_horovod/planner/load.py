@@ -1,6 +1,6 @@
 """What a plan asks of each link: per-resource loads and the predicted rate (bandwidth model).
 
-The bandwidth model of FORMATS.md (``rate_gbps``: bytes / second, no
+The bandwidth model of docs/formats.md (``rate_gbps``: bytes / second, no
 latency): a plan moving ``S`` bytes puts ``S * sum_t fraction_t load(t, r)``
 bytes on resource ``r`` (:mod:`.network` defines resources and routes, per
 channel), every resource works in parallel, so the collective takes

@@ -12,7 +12,7 @@ planner stage shares (MWU, the exact column-generation LP, the MILP):
 A packing then is ``max sum_t x_t  s.t.  sum_t x_t load(t, r) <= c_r`` where
 ``load(t, r)`` is the sum of the routes of tree ``t``'s edges.
 
-Resources (../shared/spec/FORMATS.md, 2):
+Resources (docs/formats.md, Plan file):
 
 * ``nvlink``, broadcast: each *direction* of each link (a tree's share flows
   parent -> child).  An edge ``[u, v]`` loads the link ``u -> v``, or, between

@@ -2,7 +2,7 @@
 
 A :class:`Plan` lists :class:`Tree` s; each is an arborescence out of its
 root whose ``edges`` are ``(parent, child)`` pairs and which carries
-``fraction`` of the bytes, in list order (../shared/spec/FORMATS.md, 2).
+``fraction`` of the bytes, in list order (docs/formats.md, Plan file).
 
 ``validate_plan`` checks the structural invariants against a topology: each
 tree spans the allocation exactly once, every nvlink edge is a direct link or a
@@ -81,7 +81,7 @@ class Plan:
     optimum_gbps: float
     nvlink_optimum_gbps: float | None = None
     channels: tuple[str, ...] = ("nvlink",)
-    # Optional, informational fields (FORMATS.md allows added optional fields).
+    # Optional, informational fields (docs/formats.md allows added optional fields).
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -259,7 +259,7 @@ def validate_plan(plan: Plan, topology: Topology | None = None) -> None:
 
 
 def _check_root_shares(plan: Plan) -> None:
-    """GPU i roots exactly the i-th contiguous 1/n of the bytes (FORMATS.md, 2)."""
+    """GPU i roots exactly the i-th contiguous 1/n of the bytes (docs/formats.md, Plan file)."""
     n = len(plan.gpus)
     start = 0.0
     for i, tree in enumerate(plan.trees):

@@ -7,7 +7,7 @@ program of each size (cached, and proved by the symbolic checker once), and
 hands the program to the executor (:mod:`blink_horovod.runtime.executor`)
 over the shared-memory transport.
 
-The four collectives (../shared/DESIGN.md, "The flow of one allreduce"):
+The four collectives (docs/architecture.md, "The flow of one allreduce"):
 
 ``allreduce(arr, op)``       every rank ends with op over all ranks' ``arr``;
 ``broadcast(arr, root)``     every rank ends with local rank ``root``'s ``arr``;
@@ -57,14 +57,14 @@ Planner = Callable[[Topology, str, "int | None"], Plan]
 
 
 def segment_bounds(count: int, n: int, i: int) -> tuple[int, int]:
-    """Local rank i's segment of a ``count``-element buffer: the i-th 1/n (FORMATS.md, 2)."""
+    """Local rank i's segment of a ``count``-element buffer: the i-th 1/n (docs/formats.md, Plan file)."""
     return i * count // n, (i + 1) * count // n
 
 
 def _default_planner(cfg: Config) -> Planner:
     def plan(topology: Topology, collective: str, root: int | None) -> Plan:
         from ..planner.cache import (
-            cached_plan,  # lazy: planning needs scipy/cvxpy only on a miss
+            cached_plan,  # lazy: planning needs scipy/HiGHS only on a miss
         )
 
         return cached_plan(topology, collective, root, None, cfg.plan_cache)

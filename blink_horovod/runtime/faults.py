@@ -1,6 +1,6 @@
 """Fault injection for the reliability tests: ``BLINK_FAULT=ACTION:after=K[:rank=R]``.
 
-Issue 6 asks that every fault end in a clear error, never a hang; to prove it,
+Every fault must end in a clear error, never a hang; to prove it,
 the tests make the runtime fail on purpose, at a chosen chunk operation of a
 chosen rank, through this hook (used only by tests; unset, it costs one
 attribute test per chunk).

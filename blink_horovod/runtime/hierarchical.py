@@ -1,8 +1,8 @@
 """The hierarchical allreduce and broadcast of several servers, over any cross-server stage.
 
-../shared/DESIGN.md, "The flow of one allreduce": Blink plans each server's
-own topology, so servers may differ, and leaves the cross-server stage to
-Horovod's rings.
+The one implementation of the three stages (docs/architecture.md): Blink
+plans each server's own topology, so servers may differ, and leaves the
+cross-server stage to Horovod's rings.
 
 1. intra-server: every local rank's 1/n segment is reduced up Blink's trees
    (:meth:`Communicator.reduce_to_roots`), so local rank i holds its server's
@@ -17,20 +17,21 @@ broadcast from a root on server S runs the other way round: the root's local
 rank broadcasts across servers first, then every server broadcasts from that
 local rank.
 
-The callables keep this module free of Horovod: the caller (``blink perf``,
-the ``ops`` integration) binds them to its process sets.
+The callables keep this module free of Horovod: the caller binds them to its
+process sets (``blink_horovod.ops.hierarchical.Hierarchy`` for ``hvd``
+calls, ``blink perf`` for the raw communicator).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from .communicator import Communicator
 from .dtypes import check_op, dtype_name, finish_average
 
-__all__ = ["hierarchical_allreduce", "hierarchical_broadcast", "CrossAllreduce", "CrossBroadcast"]
+__all__ = ["CrossAllreduce", "CrossBroadcast", "hierarchical_allreduce", "hierarchical_broadcast"]
 
 CrossAllreduce = Callable[[np.ndarray, str], None]  # (segment, op) -> None, in place
 CrossBroadcast = Callable[[np.ndarray], None]  # (whole array) -> None, in place, from the root's server

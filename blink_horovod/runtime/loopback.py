@@ -1,7 +1,7 @@
 """An in-process loopback transport: every rank is a thread of this process.
 
 The unit tests drive the real executor through it (httpx's ``MockTransport``
-idea, ../shared/STYLE.md example 4): the buffers are numpy arrays, the words
+idea): the buffers are numpy arrays, the words
 are a numpy ``uint32`` array per rank, and sleeping is a
 ``threading.Condition`` shared by the ranks.  Semantics are exactly those of
 the shared-memory transport, including growth, metadata slots and aborts.

@@ -16,7 +16,7 @@ Measured on the 2-core machine (4 ranks, a loop of 64 MB Blink allreduces,
 per-thread CPU from ``/proc/self/task``): the background thread of every rank
 burnt 14-16 ms of CPU per allreduce, as much as Blink's own work, and the
 allreduce took 50-55 ms against 30 ms with no Horovod in the process
-(docs/benchmarks.md, session 13).
+(docs/benchmarks.md).
 
 What.  Open MPI's own remedy for an oversubscribed host is
 ``mpi_yield_when_idle``: ``opal_progress`` calls ``sched_yield`` after a

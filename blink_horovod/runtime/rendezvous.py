@@ -1,6 +1,6 @@
 """How the ranks of one server find each other and agree on a job id, with no extra service.
 
-Horovod keeps doing what it does well (../shared/DESIGN.md): its launcher
+Horovod keeps doing what it does well (docs/architecture.md): its launcher
 already knows the ranks, hosts and local ranks.  So:
 
 * :func:`from_horovod` asks Horovod once (``hvd.allgather_object``) who shares

@@ -1,6 +1,6 @@
 """The transport seam: the one small interface the executor drives.
 
-In the manner of httpx's ``BaseTransport`` (../shared/STYLE.md, example 4),
+In the manner of httpx's ``BaseTransport``,
 the executor never knows whether its peers are threads of this process
 (:class:`~blink_horovod.runtime.loopback.LoopbackTransport`, for unit tests)
 or processes of the server sharing POSIX memory
@@ -12,10 +12,12 @@ model of :mod:`blink_horovod.schedule.program`: each rank owns
   sequence, "done" epoch, ...) followed by the program's flags,
 * two metadata slots and an abort-reason slot (bytes).
 
-Implementations supply five primitives (load a word, store-and-wake an own
-word, block until a word changes, read/write a byte region, tell whether a
-peer process is alive); everything else is written once here, above all the
-waiting loop :meth:`Transport.wait_words`: spin briefly, then sleep in slices;
+Implementations supply the thirteen abstract methods of :class:`Transport`:
+words (load one, store-and-wake an own one, block until one changes), byte
+regions (write an own one, read a peer's), peers (alive, pid), buffers (a
+rank's data buffer and eager slots, their capacities, growing them all
+together with :meth:`Transport.reserve`) and release.  Everything else is
+written once here, above all the waiting loop :meth:`Transport.wait_words`: spin briefly, then sleep in slices;
 after each slice check the peers (an aborted peer -> its error, re-raised
 with its class; a dead or closed peer we wait for -> ``BlinkInternalError``
 naming it); warn every ``BLINK_STALL_CHECK_SECONDS`` naming the ranks not yet

@@ -1,6 +1,6 @@
 """Schedule layer: plan + size -> per-rank programs; the symbolic checker; the MIAD tuner.
 
-Never imports MPI, CUDA or a framework (../shared/DESIGN.md).
+Never imports MPI, CUDA or a framework (docs/architecture.md).
 """
 
 from .check import check_program, clear_check_cache, describe_op

@@ -44,7 +44,7 @@ Measured with the simulator (sim/, 1 GB, DGX-1V, 8 GPUs, 21-tree allreduce,
 ``after`` serializes writes to one region that sit on different lanes and
 orders a post after the write it covers when that write is on another lane.
 
-Byte ranges (../shared/spec/FORMATS.md, 2): trees carry their fractions in list
+Byte ranges (docs/formats.md, Plan file): trees carry their fractions in list
 order.  For AllReduce plans the i-th GPU's trees cover exactly
 ``[i*count//n, (i+1)*count//n)`` (boundaries snapped there, a root's trees
 splitting its range in proportion to their fractions), so that servers with

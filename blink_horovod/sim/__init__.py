@@ -10,7 +10,7 @@
 - :mod:`.multiserver` -- the hierarchical multi-server allreduce;
 - :mod:`.paper` -- ``make paper``: docs/paper/ (markdown + PNG).
 
-Never imports the runtime (../shared/DESIGN.md).
+Never imports the runtime (docs/architecture.md).
 """
 
 from .engine import EngineResult, TaskGraph, run

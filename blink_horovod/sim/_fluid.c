@@ -5,7 +5,7 @@
  * per-task tuples); native.py compiles this file once per machine and calls
  * blink_fluid_run through ctypes.  Why C: a chunk-level simulation of one
  * allreduce at 1 GB has ~10^5 tasks and ~10^6 rate updates, and the sweep of
- * issue 3 runs 362 of them; the interpreter's cost per update dominated.
+ * every DGX-1V allocation runs 362 of them; the interpreter's cost per update dominated.
  *
  * Built with -ffp-contract=off: a fused multiply-add would round differently
  * from Python's separate multiply and subtract.

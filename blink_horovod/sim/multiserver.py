@@ -1,6 +1,6 @@
 """Multi-server allreduce, hierarchically: Blink inside each server, a ring across servers.
 
-The three stages of ../shared/DESIGN.md ("The flow of one allreduce"), as
+The three stages of docs/architecture.md ("The flow of one allreduce"), as
 Horovod's hierarchical allreduce runs them, one after the other:
 
 1. intra-server reduce: each tree's share reduced up to its root, so local

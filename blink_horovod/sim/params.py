@@ -1,6 +1,6 @@
 """Every cost the simulator adds to the links' bandwidth, in one dataclass, with its source.
 
-Links move bytes at the topology's ``bandwidth_gbps`` (../shared/spec/FORMATS.md,
+Links move bytes at the topology's ``bandwidth_gbps`` (docs/formats.md,
 section 3: "what the simulator adds is per-chunk costs, pipeline fill and drain,
 and contention").  The costs below are what a Blink program pays on top of
 that, and what the NCCL model pays on top of its rings.  Each field's comment
@@ -10,15 +10,15 @@ gives its source:
   against 20-25 GB/s per NVLink; section 4: each chunk costs "at least three
   CUDA commands"; section 3.4: hybrid transfers pay a peer-access-disable
   latency; appendix A.1.2: reduction kernels cost 1-2 GB/s in fan-in tests.
-- ``../shared/reference/h200-cuda-graph-probe.json``: a captured CUDA graph of
+- a probe on an H200: a captured CUDA graph of
   K chunk copies (or adds) on 8 streams replays with 4-6 us of host time for
   one node and 11-18 us for 16-256 nodes; 256 copies of 64 KB (32 in sequence
   per stream) took 59.6 us on the device, ~1.9 us per node in sequence (adds:
   62.8 us, ~2.0 us).
-- ``../shared/reference/h200-single-gpu-probe.json``: issuing one op from
+- a probe on the same H200: issuing one op from
   Python costs ~9 us of host time and a chunk step with a stream switch and an
   event ~30 us -- the costs the GPU runtime avoids by replaying whole graphs
-  (../shared/DESIGN.md), so they are *not* charged per chunk here.
+  (docs/architecture.md), so they are *not* charged per chunk here.
 - NCCL 2.x ``src/graph/tuning.cc`` (the latency table NCCL uses to choose its
   algorithm and protocol): base latencies and per-hop latencies per protocol,
   and the protocols' bandwidth factors.

@@ -1,13 +1,13 @@
 """Which shared resources a transfer between two GPUs loads, and their capacities.
 
-The machine model of ../shared/spec/FORMATS.md, section 1, made into the
+The machine model of docs/formats.md, Topology file, made into the
 capacitated resources of a fluid (flow-level) simulation:
 
 - a direct NVLink bundle ``u - v`` is two resources, ``u -> v`` and
   ``v -> u``, each of the bundle's ``bandwidth_gbps`` (full duplex; repeated
   pairs add up);
 - a GPU pair without a direct link that shares a switch is routed through it:
-  ``u -> switch`` and ``switch -> v`` (FORMATS.md, section 2);
+  ``u -> switch`` and ``switch -> v`` (docs/formats.md, Plan file);
 - the PCIe channel (``topology.pcie``): every GPU has an uplink and a downlink
   of ``pcie.bandwidth_gbps``; GPUs of one switch group talk through their PCIe
   switch, others also load their groups' uplinks to the host (one x16 each,

@@ -6,7 +6,7 @@ more, as ``--allocations all``); :func:`compare` simulates one collective of
 one size on one allocation with both Blink (sim/blink.py: planner, compiler,
 chunk-level simulation) and NCCL (sim/nccl.py); :func:`sweep` does it for many,
 with a progress bar, optionally on several processes.  The broadcast root is
-the allocation's first GPU (../shared/spec/FORMATS.md, ``blink simulate``).
+the allocation's first GPU (docs/formats.md, ``blink simulate``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Row:
     nccl_s: float
     speedup: float
     trees: int
-    # Optional fields (FORMATS.md allows added ones):
+    # Optional fields (docs/formats.md allows added ones):
     bound_s: float = 0.0  # size / the planner's proven optimum
     optimum_gbps: float = 0.0
     chunk_bytes: int = 0

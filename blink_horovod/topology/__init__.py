@@ -1,6 +1,6 @@
 """Topology layer: the machine model, built-in machines, ``blink-topology/1`` I/O, probing.
 
-Knows nothing of planning, runtimes or frameworks (../shared/DESIGN.md).
+Knows nothing of planning, runtimes or frameworks (docs/architecture.md).
 """
 
 from .machines import MACHINES, machine, parse_gpu_list, resolve

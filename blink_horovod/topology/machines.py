@@ -109,7 +109,7 @@ def cpu(n: int = 4, gbps: float = 10.0) -> Topology:
 
     The tree channel between processes of one host is shared memory; it is
     written with kind ``nvlink`` because that is the channel trees are planned
-    on (FORMATS.md: ``BLINK_TOPOLOGY`` unset on a host without GPUs).
+    on (docs/formats.md: ``BLINK_TOPOLOGY`` unset on a host without GPUs).
     """
     if n < 1:
         raise TopologyError(f"gpus: a cpu machine needs at least 1 rank, got {n}")

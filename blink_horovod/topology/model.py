@@ -3,7 +3,7 @@
 A topology is a capacitated graph (Blink, section 3.1: "GPUs as vertices and
 NVLink or PCIe connections as directed, bandwidth-capacity edges").  Links are
 undirected and full duplex; ``bandwidth_gbps`` is a bundle's bandwidth in ONE
-direction in GB/s, and repeated pairs add up (../shared/spec/FORMATS.md, 1).
+direction in GB/s, and repeated pairs add up (docs/formats.md, Topology file).
 
 The class is a small validated value in the manner of msccl-tools'
 ``Topology``: every constructor path goes through :meth:`Topology.from_dict`

@@ -3,7 +3,7 @@
 A pure function of text, testable without a GPU (in the manner of msccl-tools'
 topology parsing).  Blink (section 3.1) plans on "GPUs as vertices and NVLink
 or PCIe connections as ... bandwidth-capacity edges"; ``nvidia-smi topo -m``
-prints exactly that matrix.  FORMATS.md section 3 fixes how it is read:
+prints exactly that matrix.  docs/formats.md, Commands fixes how it is read:
 
 - GPU rows and GPU columns (``GPU0`` ...) give the vertices; the GPU ids are
   the numbers in the labels.
@@ -24,7 +24,7 @@ prints exactly that matrix.  FORMATS.md section 3 fixes how it is read:
 - ``X`` is the diagonal; ANSI underline codes (which nvidia-smi writes even
   when piped) and the legend are ignored.
 
-Switched fabrics (FORMATS.md: "every GPU pair showing the same NV# where that
+Switched fabrics (docs/formats.md: "every GPU pair showing the same NV# where that
 would exceed a GPU's link count ... is a switched fabric").  The rule used
 here: the NVLink matrix is *complete* (every GPU pair shows ``NV#``), every
 pair shows the *same* count ``k``, and ``k * (n - 1)`` exceeds

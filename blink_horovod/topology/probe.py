@@ -27,7 +27,7 @@ structure (GPUs whose common ancestor is at most a chain of PCIe switches share
 a ``switch_group``) and the PCIe generation and width give its bandwidth
 (:data:`PCIE_X16_GBPS`).
 
-GPU ids are CUDA device indices (FORMATS.md section 1): NVML enumerates in PCI
+GPU ids are CUDA device indices (docs/formats.md, Topology file): NVML enumerates in PCI
 bus order, which is CUDA's order on machines of identical GPUs (and always
 with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``); ``CUDA_VISIBLE_DEVICES`` (indices or
 ``GPU-`` UUID prefixes) picks and renumbers them as CUDA does.

@@ -6,8 +6,8 @@ worker script, its output comes back to the test, and nothing can hang: each
 group of ranks has a hard wall-clock limit after which every rank is
 SIGKILLed and the test fails naming the ranks that were still running.
 
-No launcher stands between the test and its ranks (issue 6: "test it with
-ranks the test starts itself, so no launcher kills them first"): the ranks
+No launcher stands between the test and its ranks (ranks the test
+starts itself, so that no launcher kills them first): the ranks
 meet through the runtime's file rendezvous in the test's temporary folder.
 
 What the harness gives a test
@@ -24,7 +24,7 @@ Worker events
     of this host, so a test can subtract the instant it killed a rank.
 ``/dev/shm`` and rendezvous check
     After every test that used ``ranks``, no ``blink-*`` segment created by
-    one of its ranks may remain (issue 6, Resources), crashed or not, and the
+    one of its ranks may remain (a reliability requirement), crashed or not, and the
     job's rendezvous folder must be empty or gone (unless every rank was
     killed: then nobody is left to remove the files).  Workers close their
     communicator and rendezvous on the way out, as a careful program does.

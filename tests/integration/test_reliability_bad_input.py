@@ -1,6 +1,6 @@
 """Bad input to the real commands: one line on stderr naming the field and value, exit 2, no traceback.
 
-Issue 6 (Bad input) and FORMATS.md section 3.  The parsers themselves are
+Reliability requirement (Bad input) and docs/formats.md, Commands.  The parsers themselves are
 fuzzed with hypothesis in ``tests/unit/test_fuzz_parsers.py`` and the
 ``plan``/``topology`` command lines in ``tests/unit/test_fuzz_cli.py``; this
 case runs a fixed set of bad inputs through ``python -m blink_horovod`` (a

@@ -1,6 +1,6 @@
 """A rank dies (or fails) mid-collective: the others raise, naming it, long before the timeout.
 
-Issue 6 ("A rank dies"): under ``horovodrun`` the launcher ends the job when a
+Reliability requirement ("A rank dies"): under ``horovodrun`` the launcher ends the job when a
 rank exits, but where nobody does (a lost host, a rank whose transport is
 gone) Blink's own detection must: the surviving ranks raise
 ``BlinkInternalError`` within ``BLINK_TIMEOUT_SECONDS``, naming the dead

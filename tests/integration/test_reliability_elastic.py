@@ -1,6 +1,6 @@
 """Elastic: a rank is removed mid-training; Blink re-plans for the new rank set and training goes on.
 
-Issue 6 (Elastic): "under ``hvd.elastic.run``, after a reset with a different
+Reliability requirement (Elastic): "under ``hvd.elastic.run``, after a reset with a different
 set of ranks, Blink re-probes, re-plans and goes on; a test removes a rank
 mid-training and training continues from the last commit with the same
 results as stock Horovod elastic under the same removal".

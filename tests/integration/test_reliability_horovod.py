@@ -1,6 +1,6 @@
 """Faults under Horovod with ``BLINK_ENABLE=1``: what users of an unmodified script see.
 
-Issue 6 (Mismatch): "under ``BLINK_ENABLE=1``: every rank raises within
+Reliability requirement (Mismatch): "under ``BLINK_ENABLE=1``: every rank raises within
 seconds, naming both values and the ranks".  The other cases start ranks by
 hand (so no launcher interferes); these run a torch script under
 ``horovodrun --gloo``, with Blink switched on by the environment only.

@@ -1,6 +1,6 @@
 """Load: 1000 back-to-back allreduces of mixed sizes, dtypes and ops on 4 ranks, memory flat.
 
-Issue 6 (Load): "1000 back-to-back allreduces of mixed sizes and dtypes on 4
+Reliability requirement (Load): "1000 back-to-back allreduces of mixed sizes and dtypes on 4
 ranks without error, memory flat (RSS growth < 5%)".  Every result is checked
 exactly (integer-valued data whose reductions are exactly representable in
 every dtype, as nccl-tests' ``-c``), so "without error" also means "without a

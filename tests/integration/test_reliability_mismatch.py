@@ -1,6 +1,6 @@
 """Ranks that disagree on a collective: every rank raises MismatchError in seconds, naming both values.
 
-Issue 6 (Mismatch): shape, dtype, op, root and name differ between ranks;
+Reliability requirement (Mismatch): shape, dtype, op, root and name differ between ranks;
 like Horovod's coordinator ("Mismatched allreduce tensor shapes: One rank
 sent ..., another rank sent ...") every rank must raise, naming the field,
 both values and the ranks ("rank 1 sent shape [4097], rank 0 sent [4096]"),
@@ -51,25 +51,20 @@ CASES = {
     "collective": ({"collective": "broadcast"}, ["collective", "broadcast", "allreduce", "rank 1", "rank 0"]),
 }
 
-# Beyond the issue's five fields, "collective": one rank broadcasts while the others
+# Beyond the five fields, "collective": one rank broadcasts while the others
 # allreduce.  Both are first-time collectives, whose plans the ranks exchange: this case
 # once timed out at BLINK_TIMEOUT_SECONDS (the plan exchange ran before the metadata
 # check) and is kept as a regression test.
-KNOWN_BUGS: dict[str, str] = {}
 
 
-@pytest.mark.parametrize(
-    "field",
-    [pytest.param(f, marks=pytest.mark.xfail(reason=KNOWN_BUGS[f], strict=False)) if f in KNOWN_BUGS else f for f in CASES],
-)
+@pytest.mark.parametrize("field", list(CASES))
 def test_mismatch_raises_on_every_rank_naming_both_values(ranks, record, field: str) -> None:
     odd, expected = CASES[field]
     base = dict(BASE)
     if field == "root":
         base["collective"] = "broadcast"  # every rank broadcasts; only the root differs
     n = 3
-    timeout = 5.0 if field in KNOWN_BUGS else TIMEOUT_S  # a known timeout costs 5 s, not 30
-    group = ranks.start(n, BODY, params={"all": base, "1": odd}, timeout_seconds=timeout, limit=60)
+    group = ranks.start(n, BODY, params={"all": base, "1": odd}, timeout_seconds=TIMEOUT_S, limit=60)
     results = group.wait()
     errors = [error_of(r) for r in results]
     delays = [ev["t"] - r.event("before")["t"] for ev, r in zip(errors, results)]
@@ -80,7 +75,7 @@ def test_mismatch_raises_on_every_rank_naming_both_values(ranks, record, field: 
         injected=f"rank 1 of {n}: {', '.join(f'{k}={v}' for k, v in odd.items())}; others {', '.join(f'{k}={base[k]}' for k in odd)}",
         behaviour=f"all {n} ranks raise {'/'.join(kinds)}: \"{errors[0]['message']}\"",
         seconds=max(delays),
-        limits=f"timeout {timeout:g} s",
+        limits=f"timeout {TIMEOUT_S:g} s",
     )
     for r, ev in zip(results, errors):
         assert ev["type"] == "MismatchError", (r.rank, ev)

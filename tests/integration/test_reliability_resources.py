@@ -1,6 +1,6 @@
 """Nothing outlives a job: shared memory, rendezvous files, processes; crashed or not.
 
-Issue 6 (Resources): "shared-memory segments, IPC handles and temporary files
+Reliability requirement (Resources): "shared-memory segments, IPC handles and temporary files
 never outlive a job, crashed or not".  The ``ranks`` fixture checks after
 every case that no ``/dev/shm/blink-*`` entry of its ranks remains and that
 the job's rendezvous folder is empty; the cases here aim faults at the

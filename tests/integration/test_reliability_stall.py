@@ -1,6 +1,6 @@
 """A rank stalls: a warning naming the missing ranks after the stall check, an error at the timeout.
 
-Issue 6 ("A rank stalls"): like Horovod's stall inspector ("Missing ranks:
+Reliability requirement ("A rank stalls"): like Horovod's stall inspector ("Missing ranks:
 ..."), waiting ranks warn every ``BLINK_STALL_CHECK_SECONDS`` naming the
 ranks not yet arrived, and raise on every waiting rank at
 ``BLINK_TIMEOUT_SECONDS``.  Small values here (1 s and 3 s) keep the test

@@ -82,7 +82,6 @@ def test_owner_files_name_this_process(tmp_path: Path) -> None:
 
 RANK = """
 import os, sys, time
-sys.path.insert(0, {repo!r})
 from blink_horovod.config import load_config
 from blink_horovod.runtime import rendezvous as rdv
 rank, size, job, hold = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "hold"
@@ -97,7 +96,7 @@ r.close()
 
 
 def _start(n: int, job: str, hold: bool) -> list[subprocess.Popen]:
-    code = RANK.format(repo=str(REPO))
+    code = RANK.format()
     return [subprocess.Popen([sys.executable, "-c", code, str(r), str(n), job, "hold" if hold else "go"],
                              stdout=subprocess.PIPE, text=True) for r in range(n)]
 

@@ -2,7 +2,7 @@
 
 The reference suite is Horovod's (Apache-2.0, not part of this repository):
 put a copy of ``test/parallel/test_torch.py`` and its ``test/utils/common.py``
-helpers in a git-ignored folder (``.build/hvd-tests/{parallel,utils}``) and
+in a git-ignored folder (``.build/hvd-tests/{parallel,utils}``) and
 point ``--suite`` at the test file.
 
 The suite calls ``hvd.shutdown()`` / ``hvd.init()`` around every test; on a

@@ -17,7 +17,7 @@ import json
 import re
 
 import pytest
-from ops_support import WORKERS, job_env, require_horovod, run_job, tail
+from support.horovod_jobs import WORKERS, job_env, require_horovod, run_job, tail
 
 pytestmark = [pytest.mark.parallel, pytest.mark.timeout(600)]
 

@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 import pytest
-from ops_support import ROOT, WORKERS, job_env, require_horovod, run_job, tail
+from support.horovod_jobs import ROOT, WORKERS, job_env, require_horovod, run_job, tail
 
 pytestmark = [pytest.mark.parallel, pytest.mark.timeout(1200)]
 

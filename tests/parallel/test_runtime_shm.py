@@ -1,6 +1,6 @@
 """The shared-memory runtime with real processes: results, faults, and nothing left in /dev/shm.
 
-Each test starts its ranks itself (test_runtime_rank.py as subprocesses that
+Each test starts its ranks itself (runtime_rank.py as subprocesses that
 meet through a FileRendezvous), so no launcher kills them first: the ranks'
 own detection is what is tested.  Every test runs under a timeout, and a test
 that kills ranks says so.
@@ -23,7 +23,7 @@ from blink_horovod.runtime.shm import shm_dir
 pytestmark = [pytest.mark.parallel, pytest.mark.timeout(180)]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RANK = os.path.join(HERE, "test_runtime_rank.py")
+RANK = os.path.join(HERE, "runtime_rank.py")
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 
 
@@ -46,7 +46,7 @@ class Group:
     def __init__(self, tmp_path, n: int, scenario: str, *args: str, env: dict | None = None) -> None:
         self.n = n
         rdv = str(tmp_path / "rdv")
-        full_env = dict(os.environ, PYTHONPATH=ROOT, BLINK_PLAN_CACHE=str(tmp_path / "plans"))
+        full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), BLINK_PLAN_CACHE=str(tmp_path / "plans"))
         full_env.pop("BLINK_FAULT", None)
         full_env.update(env or {})
         self.out = [tmp_path / f"rank{r}.out" for r in range(n)]

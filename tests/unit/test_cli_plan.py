@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_run import assert_bad_input, blink
+from support.cli import assert_bad_input, blink
 
 from blink_horovod.planner.plan import Plan, validate_plan
 from blink_horovod.topology import machine, resolve
@@ -140,7 +140,7 @@ def test_plan_from_a_topology_file_made_by_blink_topology_from_nvidia_smi(tmp_pa
     proc = blink("plan", "--topology", str(topo_file), "--collective", "broadcast", "--channels", "nvlink", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     plan = Plan.from_json(proc.stdout)
-    assert plan.optimum_gbps == pytest.approx(80.0)  # DGX-1P 8-GPU broadcast (issue 2)
+    assert plan.optimum_gbps == pytest.approx(80.0)  # DGX-1P 8-GPU broadcast
     assert plan.rate_gbps >= 0.999 * 80.0
 
 

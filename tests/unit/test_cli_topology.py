@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_run import assert_bad_input, blink
+from support.cli import assert_bad_input, blink
 
 from blink_horovod.topology import Topology, machine
 from blink_horovod.topology.nvsmi import parse_topo_matrix

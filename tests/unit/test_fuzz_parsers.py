@@ -1,6 +1,6 @@
 """Fuzzing of every parser of user input: it parses, or it raises the project's own error.
 
-Issue 6 ("Bad input"): the topology, plan and config parsers are fuzzed with
+Reliability requirement ("Bad input"): the topology, plan and config parsers are fuzzed with
 hypothesis; every input either parses or raises the matching
 :class:`~blink_horovod.errors.BlinkError` subclass (``TopologyError``,
 ``PlanError``, ``ConfigError``), never a ``TypeError``, ``OverflowError``,
@@ -68,7 +68,7 @@ SMALL_TOPOLOGIES = [machine(n) for n in ("dgx1p", "dgx1v", "hgx-h100", "pcie4", 
 
 
 def _valid_plans() -> list[Plan]:
-    """Hand-built valid plans (the planner is another engineer's; these need no solver)."""
+    """Hand-built valid plans (these need no solver)."""
     bc = Plan(
         collective="broadcast", topology="cpu3", gpus=(0, 1, 2), root=0,
         trees=(Tree(0, 0.5, ((0, 1), (1, 2))), Tree(0, 0.5, ((0, 2), (0, 1)))),
@@ -233,7 +233,7 @@ def test_load_config_parses_or_raises_config_error(env: dict[str, str]) -> None:
     try:
         cfg = load_config(env)
     except ConfigError as exc:
-        # The message names the variable (FORMATS.md section 4).
+        # The message names the variable (docs/formats.md, Environment variables).
         assert any(name in str(exc) for name in env), str(exc)
         return
     assert cfg.timeout_seconds > 0 and math.isfinite(cfg.timeout_seconds)

@@ -10,21 +10,21 @@ collectives, mismatches raised on every rank, ``join`` and duplicate names.
 
 from __future__ import annotations
 
-import threading
-import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
-
-from blink_horovod.config import load_config
-from blink_horovod.errors import BlinkInternalError, MismatchError
 from blink_horovod.ops.engine import Engine, Work
 from blink_horovod.ops.hierarchical import Hierarchy
 from blink_horovod.ops.layout import Layout
 from blink_horovod.ops.loopback import LoopbackCrossWorld
 from blink_horovod.ops.negotiation import Meta
 from blink_horovod.ops.scaling import scale_into
+from support.ranks import run_ranks
+
+from blink_horovod.config import load_config
+from blink_horovod.errors import BlinkInternalError, MismatchError
 from blink_horovod.runtime.communicator import Communicator
 from blink_horovod.runtime.loopback import LoopbackWorld
 from blink_horovod.topology.machines import cpu
@@ -38,14 +38,12 @@ def cfg(tmp_path_factory):
 
 
 def run_job(cfg, servers: int, local: int, body: Callable[[int, Engine], Any], fusion_bytes: int = 1 << 20) -> list:
-    """Run ``body(rank, engine)`` on ``servers x local`` thread ranks; re-raise the first failure."""
+    """Run ``body(rank, engine)`` on ``servers x local`` thread ranks; re-raise the lowest failing rank's error."""
     size = servers * local
     worlds = [LoopbackWorld(local) for _ in range(servers)]
     cross_world = LoopbackCrossWorld(size, timeout=30)
-    results: list[Any] = [None] * size
-    errors: list[str] = [""] * size
 
-    def rank_main(rank: int) -> None:
+    def rank_main(rank: int) -> Any:
         layout = Layout(rank, size, local)
         comm = engine = None
         try:
@@ -56,24 +54,14 @@ def run_job(cfg, servers: int, local: int, body: Callable[[int, Engine], Any], f
             intra = comm.allgather_object if comm is not None else (lambda o: [o])
             xag = (lambda row, name: cross.allgather_rows(row, layout.cross_ranks(), name)) if cross else None
             engine = Engine(rank, size, layout.server, Hierarchy(layout, comm, cross), intra, xag, 30.0, fusion_bytes)
-            results[rank] = body(rank, engine)
-        except BaseException:  # noqa: BLE001 - reported to the test
-            errors[rank] = traceback.format_exc()
+            return body(rank, engine)
         finally:
             if engine is not None:
                 engine.close()
             if comm is not None:
                 comm.close()
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for r, t in enumerate(threads):
-        t.join(120)
-        assert not t.is_alive(), f"rank {r} hung"
-    failed = [e for e in errors if e]
-    assert not failed, failed[0]
-    return results
+    return run_ranks(rank_main, size, 120)
 
 
 def allreduce(engine: Engine, arr: np.ndarray, op: str = "sum", name: str | None = None, pre: float = 1.0,

@@ -1,4 +1,4 @@
-"""Issue 2's acceptance sweep, checked by the independent checker (plan_checker.py).
+"""The planner's acceptance sweep, checked by the independent checker (``support.plan_checker``).
 
 Every NVLink-connected allocation of 3..8 GPUs of DGX-1P and DGX-1V (181
 each) and 50 seeded random heterogeneous machines, both collectives
@@ -12,7 +12,7 @@ benchmarks/planner_sweep.py prints the same sweep with tree counts and times.
 from __future__ import annotations
 
 import pytest
-from plan_checker import (
+from support.plan_checker import (
     check_plan,
     connected_subsets,
     independent_optimum,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from plan_checker import CheckError, check_plan, independent_optimum
+from support.plan_checker import CheckError, check_plan, independent_optimum
 
 from blink_horovod.errors import PlanError
 from blink_horovod.planner import Plan, make_plan, validate_plan

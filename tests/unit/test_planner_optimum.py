@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from plan_checker import independent_optimum, random_machine
+from support.plan_checker import independent_optimum, random_machine
 
 from blink_horovod.planner.mwu import mwu_packing
 from blink_horovod.planner.network import nvlink_network, pcie_network

@@ -100,7 +100,7 @@ def test_an_ended_thread_is_dropped(parked_thread):
 def test_the_executor_idles_them_during_its_collectives(parked_thread):
     if not background.can_restore():
         pytest.skip("no CAP_SYS_NICE")
-    from test_runtime_support import run_loopback
+    from support.loopback import run_loopback
 
     from blink_horovod.runtime import executor as executor_mod
 

@@ -2,40 +2,33 @@
 
 Data are small integers, exactly representable in every dtype (nccl-tests'
 idea), so results are compared exactly.  Programs come from the real schedule
-compiler on hand-made chain and star plans (test_runtime_support).
+compiler on hand-made chain and star plans (``support.loopback``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_runtime_support import hand_planner, run_loopback
+from support.loopback import hand_planner, run_loopback
+from support.plans import expected, values
 
 from blink_horovod.runtime import communicator as communicator_mod
 from blink_horovod.runtime import executor as executor_mod
 from blink_horovod.runtime.communicator import segment_bounds
-from blink_horovod.runtime.dtypes import DTYPES, OPS, numpy_dtype
+from blink_horovod.runtime.dtypes import DTYPES, OPS
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def values(rank: int, count: int, dtype: str, op: str, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed * 100 + rank)
-    if op == "product":
-        v = rng.choice([1, 2, 1, 1] if dtype == "uint8" else [1, -1, 2, 1], count)
-    elif op == "average":
-        v = 4 * rng.integers(0 if dtype == "uint8" else -3, 4, count) + 2
-    else:
-        v = rng.integers(0 if dtype == "uint8" else -8, 9, count)
-    return v.astype(numpy_dtype(dtype)) if dtype != "bfloat16" else v.astype(np.float32).astype(numpy_dtype(dtype))
+def test_hand_plans_are_valid() -> None:
+    from blink_horovod.planner.plan import validate_plan
+    from blink_horovod.topology.machines import cpu
 
-
-def expected(n: int, count: int, dtype: str, op: str, seed: int = 0) -> np.ndarray:
-    xs = [values(r, count, dtype, op, seed).astype(np.float64) for r in range(n)]
-    if op in ("sum", "average"):
-        out = np.sum(xs, axis=0)
-        return out / n if op == "average" else out
-    return {"min": np.minimum, "max": np.maximum, "product": np.multiply}[op].reduce(xs)
+    topo = cpu(4)
+    for shape in ("chain", "star"):
+        for k in (1, 2):
+            validate_plan(hand_planner(shape, k)(topo, "allreduce", None), topo)
+            validate_plan(hand_planner(shape, k)(topo, "broadcast", 2), topo)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from test_runtime_support import rank_errors, run_loopback
+from support.loopback import rank_errors, run_loopback
 
 from blink_horovod.errors import (
     BlinkInternalError,
@@ -15,6 +15,7 @@ from blink_horovod.errors import (
     ConfigError,
     MismatchError,
 )
+from blink_horovod.runtime import executor as executor_mod
 from blink_horovod.runtime import metadata
 from blink_horovod.runtime.faults import FaultSpec, parse_fault
 
@@ -102,6 +103,59 @@ def test_a_rank_that_raises_makes_the_others_raise_naming_it() -> None:
     for r in (0, 2, 3):
         assert isinstance(errors[r], BlinkInternalError), errors[r]
         assert "rank 1 failed" in str(errors[r])
+
+
+def test_a_rank_failing_inside_the_fused_steps_makes_the_others_raise_naming_it() -> None:
+    """The data loop production runs (fused steps, no BLINK_FAULT) fails over cleanly too.
+
+    BLINK_FAULT counts chunk operations one by one and so forces the unfused
+    path; here rank 1's chunk copier raises on its second copy instead, inside
+    the fused step loop, while its peers wait there on its flags.
+    """
+
+    class FailingCopier:
+        def __init__(self, real) -> None:
+            self.real, self.calls = real, 0
+
+        def _count(self) -> None:
+            self.calls += 1
+            if self.calls == 2:
+                raise BlinkInternalError("chunk copy failed on purpose")
+
+        def copy(self, dst, src) -> None:
+            self._count()
+            self.real.copy(dst, src)
+
+        def copy2(self, dst, dst2, src) -> None:
+            self._count()
+            self.real.copy2(dst, dst2, src)
+
+    def body(r, comm):
+        ex = comm._executor
+        assert ex.faults is None and executor_mod._FUSE  # the fused path, as in production
+        if r == 1:
+            real_run, real_copier = ex._run, ex.copier
+
+            def run(*args, **kwargs):
+                ex.copier = FailingCopier(real_copier)
+                try:
+                    return real_run(*args, **kwargs)
+                finally:
+                    ex.copier = real_copier
+
+            def unfused(*args, **kwargs):
+                raise AssertionError("the unfused op-by-op path ran")
+
+            ex._run, ex._run_ops = run, unfused
+        comm.allreduce(np.ones(1000, np.float32))
+
+    start = time.monotonic()
+    errors = rank_errors(4, body, env=dict(FAST, BLINK_CHUNK_BYTES="400"))
+    assert time.monotonic() - start < 2  # well before the timeout
+    assert isinstance(errors[1], BlinkInternalError) and "failed on purpose" in str(errors[1]), errors[1]
+    for r in (0, 2, 3):
+        assert isinstance(errors[r], BlinkInternalError), errors[r]
+        assert "rank 1 failed" in str(errors[r]) and "failed on purpose" in str(errors[r]), errors[r]
 
 
 def test_a_closed_peer_is_named() -> None:

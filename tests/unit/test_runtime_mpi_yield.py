@@ -78,7 +78,7 @@ def test_no_open_mpi_in_the_process_is_a_no_op(monkeypatch):
 
 
 def test_the_executor_yields_during_its_collectives(fake_setter):
-    from test_runtime_support import run_loopback
+    from support.loopback import run_loopback
 
     out: list[np.ndarray] = [np.arange(8, dtype=np.float32) + r for r in range(2)]
     run_loopback(2, lambda r, comm: comm.allreduce(out[r]), eager=True, join_timeout=60)

@@ -9,7 +9,8 @@ import time
 
 import numpy as np
 import pytest
-from test_runtime_support import hand_planner
+from support.loopback import hand_planner
+from support.ranks import run_ranks
 
 from blink_horovod.errors import BlinkTimeoutError, ConfigError
 from blink_horovod.runtime import dtypes
@@ -131,23 +132,17 @@ def test_futex_wakes_a_sleeper_and_times_out() -> None:
 # -- rendezvous ---------------------------------------------------------------------------
 def test_file_rendezvous_allgather_and_cleanup(tmp_path) -> None:
     d = str(tmp_path / "rdv")
-    out: list = [None] * 3
 
-    def rank(r: int) -> None:
+    def rank(r: int) -> tuple:
         rdv = FileRendezvous(d, r, 3, timeout=10)
         a = rdv.allgather(r * 10)
         b = rdv.allgather({"r": r})
         job = rdv.job_id
         rdv.barrier()
         rdv.close()
-        out[r] = (a, b, job)
+        return a, b, job
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert all(o is not None for o in out)
+    out = run_ranks(rank, 3, 20)
     assert all(o[0] == [0, 10, 20] and o[1] == [{"r": 0}, {"r": 1}, {"r": 2}] for o in out)
     assert len({o[2] for o in out}) == 1
     assert not os.path.exists(d)
@@ -248,9 +243,8 @@ def test_shm_transport_collectives_in_threads(tmp_path, monkeypatch, use_futex: 
         monkeypatch.setattr(futex, "HAVE_FUTEX", False)  # the portable sleep-poll fallback
     n, job = 3, f"unit{os.getpid()}{int(use_futex)}"
     rdv_dir = str(tmp_path / "rdv")
-    out: list = [None] * n
 
-    def rank(r: int) -> None:
+    def rank(r: int) -> tuple:
         rdv = FileRendezvous(rdv_dir, r, n, timeout=20, job_id=job)
         comm = Communicator(r, n, None, rdv, load_config({"BLINK_CHUNK_BYTES": "16K"}), planner=hand_planner("star"))
         try:
@@ -259,17 +253,12 @@ def test_shm_transport_collectives_in_threads(tmp_path, monkeypatch, use_futex: 
             comm.allreduce(x)
             y = np.arange(50, dtype=np.int64) * (r + 1)
             comm.broadcast(y, 1)
-            out[r] = (x, y)
+            return x, y
         finally:
             comm.close()
             rdv.close()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(o is not None for o in out)
+    out = run_ranks(rank, n, 60)
     for x, y in out:
         assert (x == 6).all() and (y == np.arange(50) * 2).all()
     assert not [f for f in os.listdir(shm_dir()) if f.startswith(f"blink-{job}-")]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_runtime_collectives import expected, values
-from test_runtime_support import hand_planner, run_loopback
+from support.loopback import hand_planner, run_loopback
+from support.plans import expected, values
 
 from blink_horovod.runtime import executor as executor_mod
 from blink_horovod.runtime import steps as steps_mod

@@ -9,10 +9,10 @@ what it waited for has arrived (``W_SLEEP_SEEN``).
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 
 import pytest
+from support.ranks import run_ranks
 
 from blink_horovod.runtime.shm import ShmTransport
 from blink_horovod.runtime.transport import (
@@ -23,31 +23,21 @@ from blink_horovod.runtime.transport import (
     sleep_token,
 )
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rank_threads import run_rank_threads
-
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture()
 def three():
     job = "chain" + uuid.uuid4().hex[:10]
-    ts: list[ShmTransport | None] = [None] * 3
-    errors: list[BaseException] = []
 
-    def make(r: int) -> None:
-        try:
-            ctx = WaitContext.start("setup", 20.0, 20.0)
-            ts[r] = ShmTransport(r, 3, job, ctx, pids=[os.getpid()] * 3, data_bytes=4096, nflags=16)
-        except BaseException as exc:  # noqa: BLE001 - reported by the assert below
-            errors.append(exc)
+    def make(r: int) -> ShmTransport:
+        ctx = WaitContext.start("setup", 20.0, 20.0)
+        return ShmTransport(r, 3, job, ctx, pids=[os.getpid()] * 3, data_bytes=4096, nflags=16)
 
-    run_rank_threads(make, 3, 30)
-    assert not errors, errors
+    ts = run_ranks(make, 3, 30)
     yield ts
     for t in ts:
-        if t is not None:
-            t.close()
+        t.close()
 
 
 def _pretend_sleep(t: ShmTransport, on: int, word: int, seen: int) -> None:

@@ -6,7 +6,7 @@ import dataclasses
 import time
 
 import pytest
-from test_schedule_plans import allreduce_plan, broadcast_plan, sample_plans
+from support.plans import allreduce_plan, broadcast_plan, sample_plans
 
 from blink_horovod.errors import ScheduleError
 from blink_horovod.planner.plan import Plan, Tree
@@ -35,7 +35,7 @@ def test_compiled_programs_pass(name: str, plan: Plan, count: int, chunk: int) -
         check_program(prog, plan)
 
 
-# -- helpers that break a program ---------------------------------------------
+# -- ways to break a program --------------------------------------------------
 
 
 def replace_rank(prog: Program, r: int, ops: list[Op]) -> Program:

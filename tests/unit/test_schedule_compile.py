@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_schedule_plans import allreduce_plan, broadcast_plan, sample_plans
+from support.plans import allreduce_plan, broadcast_plan, sample_plans
 
 from blink_horovod.errors import ScheduleError
 from blink_horovod.planner.plan import Plan, Tree

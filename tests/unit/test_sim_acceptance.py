@@ -1,4 +1,4 @@
-"""The simulator's acceptance over every NVLink-connected DGX-1V allocation (issue 3).
+"""The simulator's acceptance over every NVLink-connected DGX-1V allocation.
 
 At 1 GB with ``--channels nvlink``, both collectives: the simulated Blink time
 is never below the proven bandwidth bound (``size / plan.optimum_gbps``) and at
@@ -39,7 +39,7 @@ def test_every_dgx1v_allocation_is_within_10_percent_of_the_bound_and_beats_nccl
     for c in ("allreduce", "broadcast"):
         gm = geomean(r.speedup for r in res.rows if r.collective == c)
         assert gm >= 1.5, (c, gm)
-    # The issue's limit is 3 minutes wall-clock on 2 cores; CPU time is what load cannot inflate.
+    # The limit is 3 minutes wall-clock on 2 cores; CPU time is what load cannot inflate.
     assert cpu < 180, f"sweep took {cpu:.0f} s of CPU"
 
 

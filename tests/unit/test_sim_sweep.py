@@ -1,4 +1,4 @@
-"""Sweep helpers, the Blink side with hand-built plans, the multi-server model, the progress bar."""
+"""The sweep's parts, the Blink side with hand-built plans, the multi-server model, the progress bar."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_gpu_subsets_and_connectivity():
     subsets = gpu_subsets(topo)
     assert len(subsets) == 219 and subsets[0] == (0, 1, 2) and subsets[-1] == tuple(range(8))
     connected = [s for s in subsets if nvlink_connected(topo.allocate(s))]
-    assert len(connected) == 181  # the planner issue's count of NVLink-connected allocations
+    assert len(connected) == 181  # the planner acceptance's count of NVLink-connected allocations
     assert not nvlink_connected(topo.allocate([0, 5, 6]))
     assert nvlink_connected(resolve("dgx2"))
 

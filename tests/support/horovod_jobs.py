@@ -1,0 +1,54 @@
+"""Launch Horovod jobs for the ops tests: horovodrun / blinkrun under a timeout, output captured."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = ROOT / "tests" / "parallel" / "ops_workers"
+VENV_BIN = Path(sys.executable).parent
+
+
+def require_horovod() -> None:
+    pytest.importorskip("horovod.torch")
+    if not (VENV_BIN / "horovodrun").exists() and shutil.which("horovodrun") is None:
+        pytest.skip("horovodrun not installed")
+
+
+def job_env(extra: dict | None = None, blink: bool = True, tmp: Path | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BLINK_", "HOROVOD_"))}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    env["TF_USE_LEGACY_KERAS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    # Horovod's Gloo rendezvous waits 30 s by default for every rank's key; ranks importing torch and
+    # TensorFlow on a loaded 2-core machine can take longer to arrive (seen: "Wait timeout after 30
+    # seconds for key(s): 1" at init, about one run in four).
+    env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = "120"
+    if tmp is not None:
+        env["BLINK_PLAN_CACHE"] = str(tmp / "plans")
+    if blink:
+        env["BLINK_ENABLE"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_job(args: list[str], env: dict, timeout: int = 600, launcher: str = "horovodrun") -> subprocess.CompletedProcess:
+    """``launcher args...`` (horovodrun or blinkrun from the venv) under ``timeout``; never hangs the test."""
+    exe = str(VENV_BIN / launcher) if (VENV_BIN / launcher).exists() else launcher
+    try:
+        return subprocess.run([exe, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        pytest.fail(f"{launcher} {' '.join(args)} did not finish within {timeout} s:\n{out[-4000:]}")
+
+
+def tail(p: subprocess.CompletedProcess, n: int = 60) -> str:
+    lines = (p.stdout + p.stderr).splitlines()
+    return "\n".join(ln for ln in lines[-n:] if "oneDNN" not in ln and "cuda" not in ln)
