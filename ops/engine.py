@@ -46,7 +46,7 @@ from .fusion import FlatBuffer
 from .hierarchical import Hierarchy
 from .patching import bypass
 from .negotiation import DTYPE_CODES, MAX_ENTRIES, Decision, Meta, Proposal, decide_global, decide_server, \
-    encode_summary
+    digest, encode_summary
 from .scaling import average_postscale, needs_scaling, scale_into
 
 __all__ = ["Handle", "Work", "Engine", "StockWaiter", "identity_value"]
@@ -215,7 +215,7 @@ class Engine:
         self._joined = False
         self._join_round = -1
         self._join_work: Work | None = None
-        self._want_meta: set[str] = set()
+        self._want_meta: set[int] = set()  # digests of the names whose full metadata the next rounds carry
         self._running: set[str] = set()
         self._next_warn = 0.0
         self.last_round_seconds = 0.0
@@ -300,7 +300,7 @@ class Engine:
             if self._joined:
                 return Proposal(self.rank, joined=True, join_round=self._join_round)
             works = list(itertools.islice(self._queue.values(), MAX_ENTRIES))
-            metas = tuple((w.name, w.meta) for w in works if w.name in self._want_meta)
+            metas = tuple((w.name, w.meta) for w in works if self._want_meta and digest(w.name) in self._want_meta)
             return Proposal(self.rank, tuple(w.entry for w in works), metas=metas)
 
     def _rounds(self) -> None:
@@ -316,7 +316,9 @@ class Engine:
                 self._break(exc)
                 return
             self._round += 1
-            if decision.action == "wait":
+            if decision.action == "wait" or (decision.action == "mismatch" and not decision.message
+                                              and decision.key in self._want_meta):
+                # nothing ready, or a mismatch whose details some server's ranks have not sent yet
                 delay = min(max(delay * 2, 2e-4), 0.02)
                 self._idle_wait(decision, delay)
                 continue
@@ -375,14 +377,7 @@ class Engine:
                 self._complete([work], decision.last_joined)
             return
         if decision.action == "mismatch":
-            if self._joined or not decision.names:
-                return
-            name = decision.names[0]
-            if not decision.message:  # ask every rank for the full metadata of this name next round
-                self._want_meta.add(name)
-                return
-            self._want_meta.discard(name)
-            self._fail(self._take([name]), MismatchError(decision.message))
+            self._on_mismatch(decision)
             return
         # "run"
         if self._joined:
@@ -417,6 +412,23 @@ class Engine:
             for i, w in enumerate(works):
                 record(kind, w.nbytes, seconds if i == 0 else 0.0)
         self._complete(works, None)
+
+    def _on_mismatch(self, decision: Decision) -> None:
+        """Every rank has the same decision: ask for full metadata next round, or fail the collective."""
+        if not decision.message:
+            self._want_meta.add(decision.key)
+            return
+        self._want_meta.discard(decision.key)
+        if decision.log:
+            log.error("blink: rank %d: %s", self.rank, decision.log)
+        if self._joined:
+            return
+        if not decision.names:  # this server's ranks did not name it in the round: look it up by its digest
+            with self._cond:
+                decision.names = [n for n in self._queue if digest(n) == decision.key][:1]
+        names = decision.names
+        if names:
+            self._fail(self._take(names[:1]), MismatchError(decision.message))
 
     # -- data stages ---------------------------------------------------------------------------
 

@@ -35,8 +35,10 @@ that a joined rank can size its buffers from the entry alone.
 from __future__ import annotations
 
 import hashlib
+import json
+import zlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -137,6 +139,9 @@ class Proposal:
     metas: tuple[tuple[str, Meta], ...] = ()  # full metadata, only for names a previous round found mismatched
 
 
+Groups = tuple  # ((Meta, (rank, ...)), ...): one collective's metadata as the ranks sent it, grouped by value
+
+
 @dataclass(frozen=True)
 class ServerView:
     """What a server's ranks agreed within the server (computed identically on each)."""
@@ -144,11 +149,14 @@ class ServerView:
     n_active: int
     n_joined: int
     ready: tuple[Entry, ...]                      # ready on every active rank, first active rank's order
-    mismatch: tuple[str, str] | None = None       # (name, message)
+    mismatch: str | None = None                   # the first name the server's ranks disagree on
     join_round: int = -1
     join_rank: int = -1
     joined_ranks: tuple[int, ...] = ()
     waiting: tuple[tuple[str, tuple[int, ...]], ...] = ()  # name -> ranks that have not submitted it
+    # name -> every active rank's full metadata of it, grouped (the names whose metadata a previous round asked for)
+    details: tuple[tuple[str, Groups], ...] = ()
+    first_rank: int = 0                           # the server's lowest global rank
 
 
 @dataclass
@@ -156,9 +164,11 @@ class Decision:
     """What every rank does in a round (identical on all ranks).
 
     ``action``: ``"run"`` (the collectives ``names``, fused), ``"mismatch"``
-    (fail collective ``names[0]`` with ``message``), ``"wait"`` (nothing is
-    ready on every rank yet), ``"done_join"`` (every rank has joined;
-    ``last_joined`` is what ``join`` returns).
+    (fail collective ``names[0]`` -- the one whose name digest is ``key`` --
+    with ``message``; an empty message asks every rank for its full metadata
+    of ``key`` next round), ``"wait"`` (nothing is ready on every rank yet),
+    ``"done_join"`` (every rank has joined; ``last_joined`` is what ``join``
+    returns).
     """
 
     action: str
@@ -169,32 +179,95 @@ class Decision:
     last_joined: int = -1
     joined_ranks: tuple[int, ...] = ()
     waiting: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    key: int = 0
+    log: str = ""  # what this server's ranks log besides the message (details too large to cross servers)
 
 
-def mismatch_message(name: str, metas: dict[int, Meta]) -> str:
-    """Horovod-style: 'Mismatched <field> for <name>: rank a sent ..., but rank b sent ...'."""
-    items = sorted(metas.items())
-    r0, m0 = items[0]
-    for r1, m1 in items[1:]:
-        if m1.key() == m0.key():
-            continue
-        if m0.kind != m1.kind or m0.stock_kind != m1.stock_kind:
-            what, a, b = "collective operations", m0.describe(), m1.describe()
-        elif m0.dtypes != m1.dtypes:
-            what, a, b = "data types", ",".join(m0.dtypes), ",".join(m1.dtypes)
-        elif m0.shapes != m1.shapes:
-            what, a = f"{m0.kind} tensor shapes", str([list(s) for s in m0.shapes])
-            b = str([list(s) for s in m1.shapes])
-        elif m0.root != m1.root:
-            what, a, b = "root ranks", str(m0.root), str(m1.root)
-        elif m0.op != m1.op:
-            what, a, b = "reduction operations", m0.op, m1.op
-        elif m0.process_set != m1.process_set:
-            what, a, b = "process sets", str(list(m0.process_set)), str(list(m1.process_set))
+# The fields a mismatch names, in the order they are checked (the first that differs is reported).
+MISMATCH_FIELDS = ("collective", "dtype", "shape", "op", "root", "prescale", "postscale", "process set")
+
+
+def _field_value(m: Meta, field: str) -> str:
+    if field == "collective":
+        return m.stock_kind or m.kind
+    if field == "dtype":
+        return ",".join(m.dtypes) if m.dtypes else "-"
+    if field == "shape":
+        shapes = ["[" + ", ".join(str(d) for d in s) + "]" for s in m.shapes]
+        return shapes[0] if len(shapes) == 1 else "[" + ", ".join(shapes) + "]"
+    if field == "op":
+        return m.op
+    if field == "root":
+        return str(m.root)
+    if field == "prescale":
+        return repr(float(m.prescale))
+    if field == "postscale":
+        return repr(float(m.postscale))
+    return "[" + ", ".join(str(r) for r in m.process_set) + "]"
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """``rank 1``, ``ranks 0, 2, 3``; runs of four or more consecutive ranks as ``0-63``."""
+    rs = sorted(set(int(r) for r in ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        if j - i >= 3:
+            parts.append(f"{rs[i]}-{rs[j]}")
         else:
-            what, a, b = "prescale/postscale factors", f"{m0.prescale}/{m0.postscale}", f"{m1.prescale}/{m1.postscale}"
-        return f"Mismatched {what} for {name!r}: rank {r0} sent {a}, but rank {r1} sent {b}"
-    return f"Mismatched collectives for {name!r}"
+            parts.extend(str(r) for r in rs[i:j + 1])
+        i = j + 1
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(parts)
+
+
+def mismatch_message(name: str, metas: Mapping[int, Meta]) -> str:
+    """The one line every rank raises: the collective, the field, each value and the global ranks that sent it.
+
+    ``allreduce 'g': shape differs: rank 1 sent [4097], ranks 0, 2, 3 sent [4096]`` -- the values in the
+    order of how few ranks sent them (the odd one out first), ties by lowest rank.
+    """
+    items = sorted(metas.items())
+    for field in MISMATCH_FIELDS:
+        groups: dict[str, list[int]] = {}
+        for r, m in items:
+            groups.setdefault(_field_value(m, field), []).append(r)
+        if len(groups) < 2:
+            continue
+        ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
+        # Named after what most ranks submitted (the odd ones out are the ones that differ).
+        majority = max(groups.values(), key=lambda rs: (len(rs), -rs[0]))
+        kind = _field_value(dict(items)[majority[0]], "collective")
+        return f"{kind} {name!r}: {field} differs: " + ", ".join(
+            f"{format_ranks(rs)} sent {value}" for value, rs in ordered)
+    kind = _field_value(items[0][1], "collective")
+    return f"{kind} {name!r}: mismatched collectives ({format_ranks([r for r, _ in items])})"
+
+
+def _meta_row(m: Meta) -> list:
+    return [m.kind, m.stock_kind, list(m.dtypes), [list(s) for s in m.shapes], m.op, m.root, m.prescale,
+            m.postscale, list(m.process_set)]
+
+
+def _meta_from_row(row: Sequence, name: str) -> Meta:
+    kind, stock_kind, dtypes, shapes, op, root, pre, post, pset = row
+    return Meta(kind, name, tuple(dtypes), tuple(tuple(int(d) for d in s) for s in shapes), op=op, root=int(root),
+                prescale=float(pre), postscale=float(post), process_set=tuple(int(r) for r in pset),
+                stock_kind=stock_kind)
+
+
+def _group(metas: Mapping[int, Meta]) -> Groups:
+    out: dict[tuple, tuple[Meta, list[int]]] = {}
+    for r, m in sorted(metas.items()):
+        k = (m.key(), m.stock_kind)
+        out.setdefault(k, (m, []))[1].append(r)
+    return tuple((m, tuple(rs)) for m, rs in out.values())
+
+
+def _ungroup(groups: Groups) -> dict[int, Meta]:
+    return {r: m for m, rs in groups for r in rs}
 
 
 def decide_server(proposals: Sequence[Proposal]) -> ServerView:
@@ -203,22 +276,25 @@ def decide_server(proposals: Sequence[Proposal]) -> ServerView:
     joined = [p for p in proposals if p.joined]
     jr, jrank = max(((p.join_round, p.rank) for p in joined), default=(-1, -1))
     joined_ranks = tuple(sorted(p.rank for p in joined))
+    first_rank = min((p.rank for p in proposals), default=0)
     if not active:
-        return ServerView(0, len(joined), (), join_round=jr, join_rank=jrank, joined_ranks=joined_ranks)
+        return ServerView(0, len(joined), (), join_round=jr, join_rank=jrank, joined_ranks=joined_ranks,
+                          first_rank=first_rank)
     by_rank = [{e.name: e for e in p.entries} for p in active]
-    ready, waiting = [], []
+    full = [dict(p.metas) for p in active]
+    ready, waiting, details = [], [], []
     mismatch = None
     for e in active[0].entries:
         have = [m.get(e.name) for m in by_rank]
         if any(x is None for x in have):
             waiting.append((e.name, tuple(p.rank for p, x in zip(active, have) if x is None)))
             continue
-        if mismatch is None and any(x.key != e.key for x in have):
-            full = {p.rank: dict(p.metas).get(e.name) for p in active}
-            if all(m is not None for m in full.values()):
-                mismatch = (e.name, mismatch_message(e.name, full))  # type: ignore[arg-type]
-            else:
-                mismatch = (e.name, "")  # the ranks send their full metadata next round
+        metas = [f.get(e.name) for f in full]
+        if all(m is not None for m in metas):  # asked for: every rank's full metadata, for every server to see
+            details.append((e.name, _group({p.rank: m for p, m in zip(active, metas)})))  # type: ignore[misc]
+        if any(x.key != e.key for x in have):
+            if mismatch is None:
+                mismatch = e.name  # the ranks send their full metadata next round (unless they just did)
             continue
         ready.append(e)
     # Names the lowest rank has not submitted are waited for too: the stall warning and the timeout then name
@@ -230,24 +306,67 @@ def decide_server(proposals: Sequence[Proposal]) -> ServerView:
                 seen.add(e.name)
                 waiting.append((e.name, tuple(q.rank for q, m in zip(active, by_rank) if e.name not in m)))
     return ServerView(len(active), len(joined), tuple(ready[:MAX_ENTRIES]), mismatch, jr, jrank, joined_ranks,
-                      tuple(waiting))
+                      tuple(waiting), tuple(details), first_rank)
 
 
 # -- the cross-server summary: a fixed-length int64 vector ------------------------------------------------------
 
-_HDR = 8
+_HDR = 10  # status, active, joined, ready, join round, join rank, flagged name digest, blob bytes, first rank, -
 _PER = 7  # name digest, key, fuse, nbytes, kind|op, root, dtype|numel
 SUMMARY_LEN = _HDR + _PER * MAX_ENTRIES
-_ST_OK, _ST_MISMATCH, _ST_IDLE = 0, 1, 2
+_ST_OK, _ST_MISMATCH, _ST_IDLE, _ST_DETAILS = 0, 1, 2, 3
+_BLOB_BYTES = 8 * _PER * MAX_ENTRIES  # a flagged server's row carries metadata in place of its entries
+
+
+def _pack_details(details: Sequence[tuple[str, Groups]], first: str) -> bytes:
+    """The details as compressed JSON, within the row; what does not fit is dropped, and if even the
+    flagged name's details do not fit, they are marked as kept in this server's log (``null``)."""
+    rows = [[name, [[_meta_row(m), list(rs)] for m, rs in groups]] for name, groups in details]
+    flagged = [r for r in rows if r[0] == first]
+    for attempt in (flagged + [r for r in rows if r[0] != first], flagged, [[first, None]]):
+        blob = zlib.compress(json.dumps(attempt, separators=(",", ":")).encode("utf-8"))
+        if len(blob) <= _BLOB_BYTES:
+            return blob
+    return zlib.compress(json.dumps([[first[:200] + "...", None]]).encode("utf-8"))  # pragma: no cover
+
+
+def _unpack_details(v: np.ndarray) -> dict[int, tuple[str, Groups | None]]:
+    """name digest -> (name, groups or None where they stayed in the server's log) of a flagged row."""
+    n = int(v[7])
+    if n <= 0:
+        return {}
+    raw = np.ascontiguousarray(v[_HDR:]).view(np.uint8)[:n].tobytes()
+    out: dict[int, tuple[str, Groups | None]] = {}
+    for name, groups in json.loads(zlib.decompress(raw).decode("utf-8")):
+        out[digest(name)] = (name, None if groups is None else
+                             tuple((_meta_from_row(m, name), tuple(int(r) for r in rs)) for m, rs in groups))
+    return out
 
 
 def encode_summary(view: ServerView) -> np.ndarray:
-    """The server's view as the fixed-size int64 row the cross-server allgather carries."""
+    """The server's view as the fixed-size int64 row the cross-server allgather carries.
+
+    A server whose ranks disagree on a name (``mismatch``), or that was asked for its ranks' full
+    metadata of a name (``details``), sends that metadata instead of its ready entries: that round is
+    a mismatch round on every server, and the metadata lets every rank name the field, the values and
+    the ranks that sent each.
+    """
     v = np.zeros(SUMMARY_LEN, dtype=np.int64)
-    v[0] = _ST_MISMATCH if view.mismatch else (_ST_IDLE if view.n_active == 0 else _ST_OK)
-    v[1], v[2], v[3] = view.n_active, view.n_joined, len(view.ready)
+    v[1], v[2] = view.n_active, view.n_joined
     v[4], v[5] = view.join_round, view.join_rank
-    v[6] = digest(view.mismatch[0]) if view.mismatch else 0
+    v[8] = view.first_rank
+    if view.mismatch is not None or view.details:
+        first = view.mismatch if view.mismatch is not None else view.details[0][0]
+        v[0] = _ST_MISMATCH if view.mismatch is not None else _ST_DETAILS
+        v[6] = digest(first)
+        have = [(n, g) for n, g in view.details]
+        blob = _pack_details(have, first) if any(n == first for n, _ in have) else b""
+        v[7] = len(blob)
+        if blob:
+            v[_HDR:].view(np.uint8)[:len(blob)] = np.frombuffer(blob, np.uint8)
+        return v
+    v[0] = _ST_IDLE if view.n_active == 0 else _ST_OK
+    v[3] = len(view.ready)
     for j, e in enumerate(view.ready):
         o = _HDR + _PER * j
         v[o] = digest(e.name)
@@ -297,24 +416,67 @@ def _fuse(ready: Sequence[Entry], budget: int) -> list[Entry]:
     return out
 
 
+def _local_name(local: ServerView, key: int) -> str:
+    """The name with digest ``key`` among what this server's ranks submitted ("" if none)."""
+    names = [n for n, _ in local.details] + [e.name for e in local.ready] + [n for n, _ in local.waiting]
+    if local.mismatch is not None:
+        names.insert(0, local.mismatch)
+    return next((n for n in names if digest(n) == key), "")
+
+
+def _decide_mismatch(local: ServerView, views: Sequence[np.ndarray], server_index: int,
+                     any_joined: bool) -> Decision:
+    """A round in which some server flagged a name: one message for every rank, or a request for details."""
+    flagged = [v for v in views if int(v[0]) == _ST_MISMATCH] or [v for v in views if int(v[0]) == _ST_DETAILS]
+    key = int(flagged[0][6])
+    mine = _local_name(local, key)
+    ask = Decision("mismatch", [mine] if mine else [], "", any_joined, key=key)
+    metas: dict[int, Meta] = {}
+    kept: list[int] = []  # servers whose details were too large to send
+    name = ""
+    for s, v in enumerate(views):
+        if int(v[0]) == _ST_IDLE:
+            continue  # every rank of that server has joined: it submits nothing
+        det = _unpack_details(v).get(key) if int(v[0]) in (_ST_MISMATCH, _ST_DETAILS) else None
+        if det is None:
+            return ask  # that server's ranks have not sent this name's metadata (yet)
+        name, groups = det
+        if groups is None:
+            kept.append(s)
+        else:
+            metas.update(_ungroup(groups))
+    if not kept:
+        return Decision("mismatch", [mine] if mine else [], mismatch_message(name, metas), any_joined, key=key)
+    where = ", ".join(
+        f"server {s} ({format_ranks(range(int(views[s][8]), int(views[s][8] + views[s][1] + views[s][2])))})"
+        for s in kept)
+    message = (f"{name!r}: the ranks disagree on this collective; the metadata found on {where} is too large to "
+               f"send across servers: the field, values and ranks are in the log of that server's ranks")
+    log = ""
+    if server_index in kept and local.mismatch is not None:
+        det = dict(local.details).get(local.mismatch)
+        if det is not None:
+            log = mismatch_message(local.mismatch, _ungroup(det))
+    return Decision("mismatch", [mine] if mine else [], message, any_joined, key=key, log=log)
+
+
 def decide_global(local: ServerView, summaries: np.ndarray | None, server_index: int, fusion_bytes: int) -> Decision:
     """Combine the servers' views into the round's :class:`Decision` (pure; the same on every rank).
 
     ``summaries`` is the ``[num_servers, SUMMARY_LEN]`` allgather result, or
     None for a single-server job.
+
+    A mismatch takes two rounds: the round that finds it (within a server, or between servers
+    whose ranks agree among themselves) asks every rank for its full metadata of that name; in
+    the next, every server sends its ranks' metadata in its row, so every rank of every server
+    computes the same message from the same metadata, naming the global ranks that sent each value.
     """
     if summaries is None:
         return _decide_single(local, fusion_bytes)
     views = [np.asarray(s) for s in summaries]
     any_joined = any(int(v[2]) > 0 for v in views)
-    for s, v in enumerate(views):
-        if int(v[0]) == _ST_MISMATCH:
-            if s == server_index and local.mismatch is not None:
-                return Decision("mismatch", [local.mismatch[0]], local.mismatch[1], any_joined)
-            # Another server's ranks disagree: this server fails the same name (if it has it).
-            name = next((e.name for e in local.ready if digest(e.name) == int(v[6])), "")
-            return Decision("mismatch", [name] if name else [],
-                            f"Mismatched collectives: the ranks of server {s} disagree on this tensor", any_joined)
+    if any(int(v[0]) in (_ST_MISMATCH, _ST_DETAILS) for v in views):
+        return _decide_mismatch(local, views, server_index, any_joined)
     active = [(s, v) for s, v in enumerate(views) if int(v[0]) == _ST_OK]
     if not active:
         best = max(((int(v[4]), int(v[5])) for v in views), default=(-1, -1))
@@ -328,11 +490,9 @@ def decide_global(local: ServerView, summaries: np.ndarray | None, server_index:
         if any(x is None for x in everywhere):
             continue
         if any(x[1] != row[1] for x in everywhere):
+            # The servers disagree, each agreeing within: every rank sends its full metadata next round.
             name = mine[row[0]].name if row[0] in mine else ""
-            bad = next(s for (s, _), x in zip(active, everywhere) if x[1] != row[1])
-            return Decision("mismatch", [name] if name else [],
-                            f"Mismatched collectives for {name!r}: server {first_s} and server {bad} sent "
-                            f"different shapes, types or operations", any_joined)
+            return Decision("mismatch", [name] if name else [], "", any_joined, key=row[0])
         e = mine.get(row[0])
         if e is None:  # a fully joined server: serve what the others run
             e = _entry_from_row(row, f"#{row[0]}")
@@ -350,7 +510,9 @@ def decide_global(local: ServerView, summaries: np.ndarray | None, server_index:
 def _decide_single(view: ServerView, fusion_bytes: int) -> Decision:
     any_joined = view.n_joined > 0
     if view.mismatch is not None:
-        return Decision("mismatch", [view.mismatch[0]], view.mismatch[1], any_joined)
+        det = dict(view.details).get(view.mismatch)
+        message = mismatch_message(view.mismatch, _ungroup(det)) if det is not None else ""
+        return Decision("mismatch", [view.mismatch], message, any_joined, key=digest(view.mismatch))
     if view.n_active == 0:
         return Decision("done_join", any_joined=True, last_joined=view.join_rank, joined_ranks=view.joined_ranks)
     if not view.ready:

@@ -147,16 +147,73 @@ def test_mismatch_needs_a_metadata_round_then_names_ranks_and_field() -> None:
     second = decide_global(decide_server([prop(0, ("x", m0), metas=(("x", m0),)),
                                           prop(1, ("x", m1), metas=(("x", m1),))]), None, 0, 1 << 20)
     assert second.action == "mismatch"
-    assert "tensor shapes" in second.message and "rank 0" in second.message and "rank 1" in second.message
+    assert second.message == "allreduce 'x': shape differs: rank 0 sent [17, 17], rank 1 sent [18, 18]"
 
 
-def test_mismatch_messages_name_the_field() -> None:
-    from blink_horovod.ops.negotiation import mismatch_message
+def test_mismatch_messages_name_the_field_values_and_ranks() -> None:
+    from blink_horovod.ops.negotiation import Meta, format_ranks, mismatch_message
 
-    assert "data types" in mismatch_message("t", {0: meta(dtype="int32"), 1: meta()})
-    assert "root ranks" in mismatch_message("t", {0: meta(kind="broadcast", root=0),
-                                                  1: meta(kind="broadcast", root=1)})
-    assert "reduction operations" in mismatch_message("t", {0: meta(op="sum"), 1: meta(op="max")})
+    assert mismatch_message("t", {0: meta(), 1: meta(dtype="int32"), 2: meta(), 3: meta()}) == \
+        "allreduce 't': dtype differs: rank 1 sent int32, ranks 0, 2, 3 sent float32"
+    assert mismatch_message("t", {0: meta(kind="broadcast", root=0), 1: meta(kind="broadcast", root=1)}) == \
+        "broadcast 't': root differs: rank 0 sent 0, rank 1 sent 1"
+    assert "op differs: rank 3 sent max, ranks 0, 1, 2 sent sum" in mismatch_message(
+        "t", {r: meta(op="max" if r == 3 else "sum") for r in range(4)})
+    assert "collective differs: rank 0 sent broadcast, ranks 1, 2 sent allreduce" in mismatch_message(
+        "t", {0: meta(kind="broadcast", root=0), 1: meta(), 2: meta()})
+    scaled = Meta("allreduce", None, ("float32",), ((4,),), prescale=0.5)
+    assert "prescale differs: rank 0 sent 1.0, rank 1 sent 0.5" in mismatch_message("t", {0: meta(), 1: scaled})
+    assert format_ranks([7, 0, 1, 2, 3, 5]) == "ranks 0-3, 5, 7"
+
+
+def server_round(ranks, name, metas, asked):
+    """One server's view of a round in which ``ranks`` submitted ``name`` with ``metas[rank]``."""
+    return decide_server([prop(r, (name, metas[r]), metas=((name, metas[r]),) if asked else ()) for r in ranks])
+
+
+@pytest.mark.parametrize("odd", [0, 1, 2, 3])
+@pytest.mark.parametrize("servers,local", [(2, 2), (4, 1)])
+def test_a_mismatch_on_one_server_reaches_every_server_with_the_details(servers, local, odd) -> None:
+    metas = {r: meta((4097,) if r == odd else (4096,)) for r in range(servers * local)}
+    groups = [list(range(s * local, (s + 1) * local)) for s in range(servers)]
+    expected = "allreduce 'g': shape differs: rank %d sent [4097], %s sent [4096]" % (
+        odd, "ranks " + ", ".join(str(r) for r in range(4) if r != odd))
+    for asked in (False, True):
+        views = [server_round(g, "g", metas, asked) for g in groups]
+        rows = np.stack([encode_summary(v) for v in views])
+        decisions = [decide_global(v, rows, s, 1 << 20) for s, v in enumerate(views)]
+        assert all(d.action == "mismatch" and d.names == ["g"] for d in decisions), decisions
+        assert {d.message for d in decisions} == ({""} if not asked else {expected})
+
+
+def test_servers_that_disagree_between_them_name_every_rank() -> None:
+    metas = {r: meta(op="average" if r >= 2 else "sum") for r in range(4)}
+    for asked in (False, True):
+        views = [server_round([0, 1], "g", metas, asked), server_round([2, 3], "g", metas, asked)]
+        rows = np.stack([encode_summary(v) for v in views])
+        msgs = {decide_global(v, rows, s, 1 << 20).message for s, v in enumerate(views)}
+        assert msgs == ({""} if not asked else {"allreduce 'g': op differs: ranks 0, 1 sent sum, ranks 2, 3 sent "
+                                                "average"})
+
+
+def test_a_server_that_has_not_submitted_the_name_yet_is_waited_for() -> None:
+    metas = {r: meta((5,) if r == 1 else (4,)) for r in range(4)}
+    a = server_round([0, 1], "g", metas, True)
+    b = decide_server([prop(2, ("other", meta())), prop(3, ("other", meta()))])  # "g" not submitted yet
+    rows = np.stack([encode_summary(a), encode_summary(b)])
+    d = decide_global(b, rows, 1, 1 << 20)
+    assert d.action == "mismatch" and d.names == [] and d.message == "" and d.key != 0
+
+
+def test_details_too_large_to_cross_servers_point_to_the_servers_log() -> None:
+    rng = np.random.default_rng(0)
+    shapes = [tuple((int(n),) for n in rng.integers(1, 1 << 30, 1000)) for _ in range(2)]  # incompressible
+    big = {r: Meta("allreduce", None, ("float32",) * 1000, shapes[r == 1]) for r in range(4)}
+    views = [server_round([0, 1], "g", big, True), server_round([2, 3], "g", big, True)]
+    rows = np.stack([encode_summary(v) for v in views])
+    d0, d1 = (decide_global(v, rows, s, 1 << 20) for s, v in enumerate(views))
+    assert d0.message == d1.message and "server 0 (ranks 0, 1)" in d0.message and "log" in d0.message
+    assert "shape differs" in d0.log and d1.log == ""
 
 
 def test_join_rounds() -> None:
@@ -175,7 +232,7 @@ def test_cross_server_summaries() -> None:
     assert d.action == "run" and d.names == ["h"]
     c = decide_server([prop(2, ("h", meta((7,)))), prop(3, ("h", meta((7,))))])
     bad = decide_global(a, np.stack([encode_summary(a), encode_summary(c)]), 0, 1 << 20)
-    assert bad.action == "mismatch" and bad.names == ["h"] and "server 1" in bad.message
+    assert bad.action == "mismatch" and bad.names == ["h"] and bad.message == ""  # details next round
     # a fully joined server learns what to serve from the summary alone
     joined = decide_server([prop(2, joined=True, join_round=0), prop(3, joined=True, join_round=0)])
     d = decide_global(joined, np.stack([encode_summary(a), encode_summary(joined)]), 1, 1 << 20)
