@@ -421,6 +421,7 @@ class Engine:
         self._want_meta.discard(decision.key)
         if decision.log:
             log.error("blink: rank %d: %s", self.rank, decision.log)
+        self._settle()
         if self._joined:
             return
         if not decision.names:  # this server's ranks did not name it in the round: look it up by its digest
@@ -429,6 +430,25 @@ class Engine:
         names = decision.names
         if names:
             self._fail(self._take(names[:1]), MismatchError(decision.message))
+
+    def _settle(self) -> None:
+        """Every rank of the job has reached this round before any rank raises its error.
+
+        A rank that raises may exit at once, and its exit shuts Horovod down under the ranks
+        still exchanging this round's rows on other process sets ("Horovod has been shut
+        down"), which would then fail with that instead of the error every rank was about
+        to raise.  The server's ranks meet, then each meets its cross-server peers (so every
+        rank of the job has got here), then the server's ranks meet again (so every rank's
+        cross-server exchange is over before any rank of the server goes on).
+        """
+        if self.cross_allgather is None:
+            return
+        intra = self.hierarchy.intra
+        if intra is not None:
+            intra.barrier()
+        self.cross_allgather(np.zeros(1, np.int64), f"blink.{self._round}.settle")
+        if intra is not None:
+            intra.barrier()
 
     # -- data stages ---------------------------------------------------------------------------
 
