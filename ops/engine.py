@@ -46,7 +46,7 @@ from .fusion import FlatBuffer
 from .hierarchical import Hierarchy
 from .patching import bypass
 from .negotiation import DTYPE_CODES, MAX_ENTRIES, Decision, Meta, Proposal, decide_global, decide_server, \
-    digest, encode_summary
+    digest, encode_summary, stuck_message
 from .scaling import average_postscale, needs_scaling, scale_into
 
 __all__ = ["Handle", "Work", "Engine", "StockWaiter", "identity_value"]
@@ -216,6 +216,7 @@ class Engine:
         self._join_round = -1
         self._join_work: Work | None = None
         self._want_meta: set[int] = set()  # digests of the names whose full metadata the next rounds carry
+        self._stuck_asked = False  # a round asked every rank for its queued names (nothing ran for the timeout)
         self._running: set[str] = set()
         self._next_warn = 0.0
         self.last_round_seconds = 0.0
@@ -301,7 +302,8 @@ class Engine:
                 return Proposal(self.rank, joined=True, join_round=self._join_round)
             works = list(itertools.islice(self._queue.values(), MAX_ENTRIES))
             metas = tuple((w.name, w.meta) for w in works if self._want_meta and digest(w.name) in self._want_meta)
-            return Proposal(self.rank, tuple(w.entry for w in works), metas=metas)
+            overdue = self._stuck_asked or time.monotonic() - works[0].since > self.timeout
+            return Proposal(self.rank, tuple(w.entry for w in works), metas=metas, overdue=overdue)
 
     def _rounds(self) -> None:
         delay = 0.0
@@ -316,6 +318,9 @@ class Engine:
                 self._break(exc)
                 return
             self._round += 1
+            if decision.action == "stuck" and not decision.stuck:
+                self._stuck_asked = True
+                continue
             if decision.action == "wait" or (decision.action == "mismatch" and not decision.message
                                               and decision.key in self._want_meta):
                 # nothing ready, or a mismatch whose details some server's ranks have not sent yet
@@ -336,7 +341,9 @@ class Engine:
         missing = dict(decision.waiting)
         with self._cond:
             oldest = next(iter(self._queue.values()), None)
-            if oldest is not None and now - oldest.since > self.timeout:
+            # Past the timeout the next round is a "stuck" one, agreed by every rank (_on_stuck); this
+            # rank fails its own collective alone only as a last resort, should the rounds not get there.
+            if oldest is not None and now - oldest.since > 2 * self.timeout + 5:
                 self._queue.pop(oldest.name, None)
                 ranks = missing.get(oldest.name, ())
                 self._cond.release()
@@ -378,6 +385,9 @@ class Engine:
             return
         if decision.action == "mismatch":
             self._on_mismatch(decision)
+            return
+        if decision.action == "stuck":
+            self._on_stuck(decision)
             return
         # "run"
         if self._joined:
@@ -430,6 +440,16 @@ class Engine:
         names = decision.names
         if names:
             self._fail(self._take(names[:1]), MismatchError(decision.message))
+
+    def _on_stuck(self, decision: Decision) -> None:
+        """Nothing ran for the timeout: every rank fails what it has queued, with the same message."""
+        self._stuck_asked = False
+        message, names_differ = stuck_message(dict(decision.stuck), self.timeout)
+        self._settle()
+        with self._cond:
+            works = list(self._queue.values())
+            self._queue.clear()
+        self._fail(works, (MismatchError if names_differ else BlinkTimeoutError)(message))
 
     def _settle(self) -> None:
         """Every rank of the job has reached this round before any rank raises its error.

@@ -50,6 +50,7 @@ OP_CODES = {"sum": 0, "average": 1, "min": 2, "max": 3, "product": 4, "": 5}
 DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "int16", "bool")
 MAX_ENTRIES = 64  # queued collectives one proposal carries
 MAX_FUSED = 64    # collectives one round may fuse
+PENDING_NAMES = 4  # queued names per rank a stuck round reports
 
 
 def digest(*parts: object) -> int:
@@ -137,6 +138,7 @@ class Proposal:
     joined: bool = False
     join_round: int = -1
     metas: tuple[tuple[str, Meta], ...] = ()  # full metadata, only for names a previous round found mismatched
+    overdue: bool = False  # nothing this rank queued has run for BLINK_TIMEOUT_SECONDS (or a round asked)
 
 
 Groups = tuple  # ((Meta, (rank, ...)), ...): one collective's metadata as the ranks sent it, grouped by value
@@ -157,6 +159,8 @@ class ServerView:
     # name -> every active rank's full metadata of it, grouped (the names whose metadata a previous round asked for)
     details: tuple[tuple[str, Groups], ...] = ()
     first_rank: int = 0                           # the server's lowest global rank
+    # when a rank is overdue: every active rank's queued (name, kind), oldest first (the first few)
+    pending: tuple[tuple[int, tuple[tuple[str, str], ...]], ...] | None = None
 
 
 @dataclass
@@ -168,7 +172,10 @@ class Decision:
     with ``message``; an empty message asks every rank for its full metadata
     of ``key`` next round), ``"wait"`` (nothing is ready on every rank yet),
     ``"done_join"`` (every rank has joined; ``last_joined`` is what ``join``
-    returns).
+    returns), ``"stuck"`` (nothing ran for ``BLINK_TIMEOUT_SECONDS``: every
+    rank fails what it has queued with ``message``, naming what each rank
+    submitted, from ``stuck``; an empty ``stuck`` asks every rank to send its
+    queued names next round).
     """
 
     action: str
@@ -181,6 +188,7 @@ class Decision:
     waiting: tuple[tuple[str, tuple[int, ...]], ...] = ()
     key: int = 0
     log: str = ""  # what this server's ranks log besides the message (details too large to cross servers)
+    stuck: tuple[tuple[int, tuple[tuple[str, str], ...]], ...] = ()  # "stuck": each rank's queued (name, kind)
 
 
 # The fields a mismatch names, in the order they are checked (the first that differs is reported).
@@ -305,8 +313,11 @@ def decide_server(proposals: Sequence[Proposal]) -> ServerView:
             if e.name not in seen:
                 seen.add(e.name)
                 waiting.append((e.name, tuple(q.rank for q, m in zip(active, by_rank) if e.name not in m)))
+    pending = None
+    if any(p.overdue for p in active):
+        pending = tuple((p.rank, tuple((e.name, e.kind) for e in p.entries[:PENDING_NAMES])) for p in active)
     return ServerView(len(active), len(joined), tuple(ready[:MAX_ENTRIES]), mismatch, jr, jrank, joined_ranks,
-                      tuple(waiting), tuple(details), first_rank)
+                      tuple(waiting), tuple(details), first_rank, pending)
 
 
 # -- the cross-server summary: a fixed-length int64 vector ------------------------------------------------------
@@ -314,7 +325,7 @@ def decide_server(proposals: Sequence[Proposal]) -> ServerView:
 _HDR = 10  # status, active, joined, ready, join round, join rank, flagged name digest, blob bytes, first rank, -
 _PER = 7  # name digest, key, fuse, nbytes, kind|op, root, dtype|numel
 SUMMARY_LEN = _HDR + _PER * MAX_ENTRIES
-_ST_OK, _ST_MISMATCH, _ST_IDLE, _ST_DETAILS = 0, 1, 2, 3
+_ST_OK, _ST_MISMATCH, _ST_IDLE, _ST_DETAILS, _ST_STUCK = 0, 1, 2, 3, 4
 _BLOB_BYTES = 8 * _PER * MAX_ENTRIES  # a flagged server's row carries metadata in place of its entries
 
 
@@ -343,6 +354,56 @@ def _unpack_details(v: np.ndarray) -> dict[int, tuple[str, Groups | None]]:
     return out
 
 
+def _pack_pending(pending: Sequence[tuple[int, Sequence[tuple[str, str]]]]) -> bytes:
+    rows = [[r, [[n, k] for n, k in names]] for r, names in pending]
+    limit = 200
+    while True:
+        blob = zlib.compress(json.dumps(rows, separators=(",", ":")).encode("utf-8"))
+        if len(blob) <= _BLOB_BYTES or limit < 8:
+            return blob[:_BLOB_BYTES] if len(blob) > _BLOB_BYTES else blob
+        rows = [[r, [[n[:limit], k] for n, k in names[:1]]] for r, names in rows]  # shorter, fewer names
+        limit //= 2
+
+
+def _unpack_pending(v: np.ndarray) -> dict[int, list[tuple[str, str]]] | None:
+    n = int(v[7])
+    try:
+        raw = np.ascontiguousarray(v[_HDR:]).view(np.uint8)[:n].tobytes()
+        return {int(r): [(str(a), str(b)) for a, b in names] for r, names in json.loads(zlib.decompress(raw))}
+    except (ValueError, zlib.error):  # cut short (a job of very many ranks): the names stay unknown
+        return None
+
+
+def stuck_message(pending: Mapping[int, Sequence[tuple[str, str]]], timeout: float) -> tuple[str, bool]:
+    """What every rank raises when nothing ran for ``timeout`` s: ``(message, names_differ)``.
+
+    The name most ranks submitted is the one the others lack; each of those is named with what
+    it submitted instead: "allreduce 'grad.w': name differs: rank 1 sent 'grad.b', ranks 0, 2, 3
+    sent 'grad.w' (no collective was submitted by every rank within 10 s, BLINK_TIMEOUT_SECONDS)".
+    """
+    why = f"(no collective was submitted by every rank within {timeout:g} s, BLINK_TIMEOUT_SECONDS)"
+    count: dict[str, list[int]] = {}
+    kinds: dict[str, str] = {}
+    for r, names in sorted(pending.items()):
+        for n, k in names:
+            count.setdefault(n, []).append(r)
+            kinds.setdefault(n, k)
+    if not count:
+        return f"nothing ran {why}", False
+    want = max(count, key=lambda n: (len(count[n]), -count[n][0]))
+    lacking = [r for r in sorted(pending) if r not in count[want]]
+    if not lacking:
+        return f"{kinds[want]} {want!r}: submitted by {format_ranks(count[want])} but not run {why}", False
+    groups: dict[str, list[int]] = {}
+    for r in lacking:
+        head = pending[r][0][0] if pending[r] else "nothing"
+        groups.setdefault(repr(head) if pending[r] else head, []).append(r)
+    groups[repr(want)] = count[want]
+    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
+    return (f"{kinds[want]} {want!r}: name differs: "
+            + ", ".join(f"{format_ranks(rs)} sent {v}" for v, rs in ordered) + f" {why}"), True
+
+
 def encode_summary(view: ServerView) -> np.ndarray:
     """The server's view as the fixed-size int64 row the cross-server allgather carries.
 
@@ -364,6 +425,12 @@ def encode_summary(view: ServerView) -> np.ndarray:
         v[7] = len(blob)
         if blob:
             v[_HDR:].view(np.uint8)[:len(blob)] = np.frombuffer(blob, np.uint8)
+        return v
+    if view.pending is not None:
+        v[0] = _ST_STUCK
+        blob = _pack_pending(view.pending)
+        v[7] = len(blob)
+        v[_HDR:].view(np.uint8)[:len(blob)] = np.frombuffer(blob, np.uint8)
         return v
     v[0] = _ST_IDLE if view.n_active == 0 else _ST_OK
     v[3] = len(view.ready)
@@ -477,6 +544,18 @@ def decide_global(local: ServerView, summaries: np.ndarray | None, server_index:
     any_joined = any(int(v[2]) > 0 for v in views)
     if any(int(v[0]) in (_ST_MISMATCH, _ST_DETAILS) for v in views):
         return _decide_mismatch(local, views, server_index, any_joined)
+    if any(int(v[0]) == _ST_STUCK for v in views):
+        pending: dict[int, list[tuple[str, str]]] = {}
+        for v in views:
+            st = int(v[0])
+            if st == _ST_IDLE:
+                continue
+            got = _unpack_pending(v) if st == _ST_STUCK else None
+            if st != _ST_STUCK:
+                return Decision("stuck", any_joined=any_joined)  # that server's names next round
+            pending.update(got or {})
+        return Decision("stuck", any_joined=any_joined, stuck=tuple(
+            (r, tuple(n)) for r, n in sorted(pending.items())))
     active = [(s, v) for s, v in enumerate(views) if int(v[0]) == _ST_OK]
     if not active:
         best = max(((int(v[4]), int(v[5])) for v in views), default=(-1, -1))
@@ -513,6 +592,8 @@ def _decide_single(view: ServerView, fusion_bytes: int) -> Decision:
         det = dict(view.details).get(view.mismatch)
         message = mismatch_message(view.mismatch, _ungroup(det)) if det is not None else ""
         return Decision("mismatch", [view.mismatch], message, any_joined, key=digest(view.mismatch))
+    if view.pending is not None:
+        return Decision("stuck", any_joined=any_joined, stuck=view.pending)
     if view.n_active == 0:
         return Decision("done_join", any_joined=True, last_joined=view.join_rank, joined_ranks=view.joined_ranks)
     if not view.ready:

@@ -265,3 +265,29 @@ def test_errors_keep_their_blink_class_and_become_horovods() -> None:
     except ImportError:
         return
     assert isinstance(e, HorovodInternalError) and isinstance(t, HorovodInternalError)
+
+
+def test_a_stuck_round_names_what_each_rank_submitted_instead() -> None:
+    from blink_horovod.ops.negotiation import stuck_message
+
+    def p(rank, name, overdue):
+        return Proposal(rank, (meta().entry(name),), overdue=overdue)
+
+    # one server: the round that finds a rank overdue has every rank's names
+    d = decide_global(decide_server([p(0, "grad.w", True), p(1, "grad.b", False), p(2, "grad.w", False)]),
+                      None, 0, 1 << 20)
+    assert d.action == "stuck" and stuck_message(dict(d.stuck), 10)[0].startswith(
+        "allreduce 'grad.w': name differs: rank 1 sent 'grad.b', ranks 0, 2 sent 'grad.w' (no collective")
+    # two servers: the first round asks the other server for its names, the next has them all
+    names = {0: "grad.w", 1: "grad.b", 2: "grad.w", 3: "grad.w"}
+    for asked in (False, True):
+        views = [decide_server([p(r, names[r], asked or r == 0) for r in rs]) for rs in ([0, 1], [2, 3])]
+        rows = np.stack([encode_summary(v) for v in views])
+        ds = [decide_global(v, rows, s, 1 << 20) for s, v in enumerate(views)]
+        assert all(d.action == "stuck" for d in ds)
+        msgs = {stuck_message(dict(d.stuck), 10) for d in ds}
+        if not asked:
+            assert all(not d.stuck for d in ds)
+        else:
+            assert msgs == {("allreduce 'grad.w': name differs: rank 1 sent 'grad.b', ranks 0, 2, 3 sent 'grad.w' "
+                             "(no collective was submitted by every rank within 10 s, BLINK_TIMEOUT_SECONDS)", True)}
