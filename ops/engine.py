@@ -46,7 +46,7 @@ from .fusion import FlatBuffer
 from .hierarchical import Hierarchy
 from .patching import bypass
 from .negotiation import DTYPE_CODES, MAX_ENTRIES, Decision, Meta, Proposal, decide_global, decide_server, \
-    digest, encode_summary, stuck_message
+    digest, encode_failure, encode_summary, failure_of, stuck_message
 from .scaling import average_postscale, needs_scaling, scale_into
 
 __all__ = ["Handle", "Work", "Engine", "StockWaiter", "identity_value"]
@@ -362,12 +362,44 @@ class Engine:
             self._cond.wait(delay)
 
     def _negotiate(self, proposal: Proposal) -> Decision:
-        proposals = self.intra_allgather(proposal)
+        name = f"blink.neg.{self._round}"
+        try:
+            proposals = self.intra_allgather(proposal)
+        except BlinkError as exc:
+            if self.cross_allgather is not None:  # a server-mate is dead or stalled: tell the other servers
+                self._tell_servers(encode_failure(type(exc).__name__, str(exc), self.rank), name)
+            raise
         view = decide_server(proposals)
         summaries = None
         if self.cross_allgather is not None:
-            summaries = self.cross_allgather(encode_summary(view), f"blink.neg.{self._round}")
+            summaries = self.cross_allgather(encode_summary(view), name)
+            failed = failure_of(summaries)
+            if failed is not None:  # another server's rank found its server-mate dead or stalled
+                kind, message, _ = failed
+                cls = {c.__name__: c for c in (BlinkTimeoutError, MismatchError)}.get(kind, BlinkInternalError)
+                exc = cls(message)
+                self._abort_intra(exc)  # the server-mates waiting on other servers learn it from here
+                self._tell_servers(None, name)
+                raise exc
         return decide_global(view, summaries, self.server_index, self.fusion_bytes)
+
+    def _abort_intra(self, exc: BaseException) -> None:
+        transport = getattr(self.hierarchy.intra, "transport", None)
+        if transport is not None:
+            try:
+                transport.abort(exc)
+            except Exception:  # pragma: no cover - already closed
+                pass
+
+    def _tell_servers(self, row: np.ndarray | None, name: str) -> None:
+        """Send this round's failure to the cross-server peers (``row``; None: it came from them), then
+        meet them once more, so that none of them is still receiving it when this rank raises."""
+        try:
+            if row is not None:
+                self.cross_allgather(row, name)  # type: ignore[misc]
+            self.cross_allgather(np.zeros(1, np.int64), f"{name}.failed")  # type: ignore[misc]
+        except BaseException as exc:  # the peers may be gone too: the error to raise is known already
+            log.debug("blink: telling the other servers: %s", exc)
 
     def _take(self, names: Sequence[str]) -> list[Work]:
         with self._cond:

@@ -43,7 +43,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 __all__ = ["Meta", "Entry", "Proposal", "ServerView", "Decision", "decide_server", "decide_global",
-           "encode_summary", "SUMMARY_LEN", "MAX_ENTRIES", "MAX_FUSED", "DTYPE_CODES", "digest"]
+           "encode_summary", "encode_failure", "failure_of", "mismatch_message", "stuck_message", "format_ranks", "SUMMARY_LEN", "MAX_ENTRIES", "MAX_FUSED", "DTYPE_CODES", "digest"]
 
 KINDS = ("allreduce", "broadcast", "stock", "barrier")
 OP_CODES = {"sum": 0, "average": 1, "min": 2, "max": 3, "product": 4, "": 5}
@@ -325,7 +325,7 @@ def decide_server(proposals: Sequence[Proposal]) -> ServerView:
 _HDR = 10  # status, active, joined, ready, join round, join rank, flagged name digest, blob bytes, first rank, -
 _PER = 7  # name digest, key, fuse, nbytes, kind|op, root, dtype|numel
 SUMMARY_LEN = _HDR + _PER * MAX_ENTRIES
-_ST_OK, _ST_MISMATCH, _ST_IDLE, _ST_DETAILS, _ST_STUCK = 0, 1, 2, 3, 4
+_ST_OK, _ST_MISMATCH, _ST_IDLE, _ST_DETAILS, _ST_STUCK, _ST_FAILED = 0, 1, 2, 3, 4, 5
 _BLOB_BYTES = 8 * _PER * MAX_ENTRIES  # a flagged server's row carries metadata in place of its entries
 
 
@@ -402,6 +402,31 @@ def stuck_message(pending: Mapping[int, Sequence[tuple[str, str]]], timeout: flo
     ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
     return (f"{kinds[want]} {want!r}: name differs: "
             + ", ".join(f"{format_ranks(rs)} sent {v}" for v, rs in ordered) + f" {why}"), True
+
+
+def encode_failure(kind: str, message: str, rank: int) -> np.ndarray:
+    """The row a rank sends in place of its server's summary when the round failed within its server
+    (a server-mate timed out or died): the error's class name and message, for every server to raise."""
+    v = np.zeros(SUMMARY_LEN, dtype=np.int64)
+    v[0] = _ST_FAILED
+    v[8] = rank
+    raw = json.dumps([kind, message]).encode("utf-8")
+    blob = zlib.compress(raw)
+    if len(blob) > _BLOB_BYTES:  # pragma: no cover - messages are short
+        blob = zlib.compress(json.dumps([kind, message[:2000] + "..."]).encode("utf-8"))
+    v[7] = len(blob)
+    v[_HDR:].view(np.uint8)[:len(blob)] = np.frombuffer(blob, np.uint8)
+    return v
+
+
+def failure_of(summaries: np.ndarray) -> tuple[str, str, int] | None:
+    """``(class name, message, sending rank)`` of the first failed row of a round, or None."""
+    for v in summaries:
+        if int(v[0]) == _ST_FAILED:
+            raw = np.ascontiguousarray(v[_HDR:]).view(np.uint8)[:int(v[7])].tobytes()
+            kind, message = json.loads(zlib.decompress(raw))
+            return str(kind), str(message), int(v[8])
+    return None
 
 
 def encode_summary(view: ServerView) -> np.ndarray:

@@ -2,20 +2,27 @@
 
 Run under ``horovodrun`` / ``blinkrun`` with ``BLINK_ENABLE=1`` by the cross-server fault
 tests and ``benchmarks/cross_server_faults.py``.  ``FAULT_JOB`` (JSON) says what differs:
-``field`` (shape, dtype, op, root, prescale, postscale, collective, name) and ``odd``
-(the global ranks that submit the odd value).  Every rank prints one line
+``field`` (shape, dtype, op, root, prescale, postscale, collective, name; or stall, dead:
+the odd ranks sleep, or SIGKILL themselves, instead of submitting) and ``odd`` (the global
+ranks that submit the odd value).  Every rank prints one line
 ``@@reliability {"kind": "error", "rank": r, "type": ..., "message": ..., "seconds": ...}``
 with the error it caught (or ``"kind": "no-error"``), then exits 1 on an error.
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
 import torch
 
 import horovod.torch as hvd
+
+if JOB_FIELD_DEAD := json.loads(os.environ["FAULT_JOB"])["field"] == "dead":
+    # horovodrun ends the job as soon as a rank dies; a host lost for good, where nobody would, is
+    # what this stands for: the survivors wait out its SIGTERM grace (5 s) and report first.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 hvd.init()
 RANK = hvd.rank()
@@ -47,6 +54,10 @@ def collective():
 
 hvd.allreduce(torch.ones(16), name="warm-up")
 start = time.time()
+if FIELD == "stall" and ODD:
+    time.sleep(JOB.get("sleep", 60))  # a rank stuck in its own code: it submits nothing meanwhile
+elif FIELD == "dead" and ODD:
+    os.kill(os.getpid(), 9)
 try:
     collective()
     emit("no-error")
