@@ -35,7 +35,7 @@ Python {python}). Do not edit by hand: rerun `make reliability`, i.e.
 RELIABILITY_JSON=build/reliability.json .venv/bin/python -m pytest tests/integration -k reliability
 .venv/bin/python benchmarks/reliability_report.py build/reliability.json -o docs/reliability.md
 ```
-
+{matrix_note}
 Every case runs under a hard timeout (pytest-timeout, and a wall-clock limit
 on each group of rank processes after which every rank is SIGKILLed and the
 case fails as a hang), and after every case that starts ranks the harness
@@ -62,6 +62,9 @@ ORDER = (
     "a rank dies",
     "a rank fails",
     "a rank stalls",
+    "mismatch across servers",
+    "a rank stalls, several servers",
+    "a rank dies, several servers",
     "corruption",
     "elastic",
     "resources",
@@ -94,8 +97,41 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+MATRIX_NOTE = """
+The rows of jobs of several servers come from the whole matrix (every field, where
+the odd rank is, 1x4 / 2x2 / 4x1, Gloo and MPI), of which CI runs a few cases:
+
+```
+.venv/bin/python benchmarks/cross_server_faults.py -o build/cross_server.json
+.venv/bin/python benchmarks/reliability_report.py build/reliability.json build/cross_server.json -o docs/reliability.md
+```
+"""
+
+
+def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs as one: their records (a case recorded again replaces the earlier row) and outcomes."""
+    if len(docs) == 1:
+        return docs[0]
+    rows: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+    outcomes: dict[str, str] = {}
+    for d in docs:
+        for r in d.get("records", []):
+            rows.pop((r["test"], str(r.get("case"))), None)
+            rows[(r["test"], str(r.get("case")))] = r
+        outcomes.update(d.get("outcomes", {}))
+    return {
+        "format": docs[0].get("format"),
+        "generated_utc": " and ".join(str(d.get("generated_utc", "?")) for d in docs),
+        "host": docs[0].get("host", {}),
+        "records": list(rows.values()),
+        "outcomes": dict(sorted(outcomes.items())),
+        "notes": [n for d in docs for n in (d.get("notes") or [])],
+        "runs": len(docs),
+    }
+
+
 def render(doc: dict[str, Any]) -> str:
-    """The markdown of one run (``blink-reliability-run/1``)."""
+    """The markdown of one run (``blink-reliability-run/1``), or of several :func:`merge` d."""
     records = doc.get("records", [])
     host = doc.get("host", {})
     by_test: dict[str, str] = {r["test"]: r.get("outcome", "unknown") for r in records}
@@ -109,6 +145,7 @@ def render(doc: dict[str, Any]) -> str:
             passed=passed,
             total=len(by_test),
             failed_note=(" (not passed: " + ", ".join(f"`{t}`" for t in failed) + ")") if failed else "",
+            matrix_note=MATRIX_NOTE if doc.get("runs", 1) > 1 else "",
         )
     ]
     found: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
@@ -152,18 +189,23 @@ def render(doc: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", help="JSON written by a test run with RELIABILITY_JSON set")
+    parser.add_argument("run", nargs="+", help="JSON written by a test run with RELIABILITY_JSON set "
+                        "(several: one document, a case recorded again replacing the earlier row)")
     parser.add_argument("-o", "--output", default="docs/reliability.md", help="markdown to write (default docs/reliability.md; '-' for stdout)")
     parser.add_argument("--note", action="append", default=[], help="a line for the Notes section (repeatable)")
     args = parser.parse_args(argv)
-    try:
-        doc = json.loads(Path(args.run).read_text())
-    except (OSError, ValueError) as exc:
-        print(f"reliability_report: error: cannot read {args.run!r}: {exc}", file=sys.stderr)
-        return 2
-    if doc.get("format") != "blink-reliability-run/1":
-        print(f"reliability_report: error: {args.run!r} is not a blink-reliability-run/1 file", file=sys.stderr)
-        return 2
+    docs = []
+    for run in args.run:
+        try:
+            doc = json.loads(Path(run).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"reliability_report: error: cannot read {run!r}: {exc}", file=sys.stderr)
+            return 2
+        if doc.get("format") != "blink-reliability-run/1":
+            print(f"reliability_report: error: {run!r} is not a blink-reliability-run/1 file", file=sys.stderr)
+            return 2
+        docs.append(doc)
+    doc = merge(docs)
     doc["notes"] = list(doc.get("notes") or []) + args.note
     text = render(doc)
     if args.output == "-":
