@@ -366,9 +366,12 @@ class Engine:
         try:
             proposals = self.intra_allgather(proposal)
         except BlinkError as exc:
+            if proposal.entries:  # say which collective the ranks were agreeing on
+                e = proposal.entries[0]
+                exc = type(exc)(f"{e.kind} {e.name!r} (agreeing on it with the other ranks): {exc}")
             if self.cross_allgather is not None:  # a server-mate is dead or stalled: tell the other servers
                 self._tell_servers(encode_failure(type(exc).__name__, str(exc), self.rank), name)
-            raise
+            raise exc
         view = decide_server(proposals)
         summaries = None
         if self.cross_allgather is not None:
