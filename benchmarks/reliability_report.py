@@ -82,6 +82,48 @@ EXPECTED = {
 }
 
 
+# Prose shown under a section's table: how to read it, what it cannot show.
+SECTION_NOTES = {
+    "a rank stalls": """\
+Who is named. In a spanning-tree program a rank often waits on a peer that itself waits on the
+stalled rank, so the warning and the error follow the chain of sleeps (each rank's control block
+says which peer's word it sleeps on, and the value it saw there) and name the rank at its end:
+"rank 0 has waited 2 s for ranks [1] (flag 2); rank 1 itself waits for rank 2: rank 2 is the one
+stalled. Missing ranks: 2". A rank frozen inside a sleep keeps its sleep token; once the word it
+slept on has moved past the value it saw, the token is stale and the chain stops at that rank
+(`tests/unit/test_runtime_wait_chain.py`). Both cases were seen under load on 2 cores: before,
+the warning named the peer waited on directly (CI failed once on it; 5 of 12 runs of the SIGSTOP
+test failed with two busy loops beside it), after, 8 of 8 such runs passed.
+""",
+    "mismatch across servers": """\
+Each case is one `horovodrun` job of four ranks with `BLINK_ENABLE=1` running a plain Horovod
+PyTorch script (`tests/integration/fault_job.py`); "odd" says which global ranks submit the odd
+value. How the error reaches every rank: the round in which a server finds its ranks disagree
+(or in which servers, each agreeing within, disagree with each other) asks every rank for its
+full metadata of that collective; in the next round every server sends its ranks' metadata,
+grouped, in its cross-server row (compressed, in place of its ready entries), so every rank of
+every server computes the same line from the same metadata, with global ranks. Before raising,
+the ranks meet within the server, across servers and within the server again, so that no rank
+exits (and shuts Horovod down) while another is still in the round's exchange. A name that
+differs cannot be told from a late rank until `BLINK_TIMEOUT_SECONDS`: then a round agreed by
+every rank fails what each rank has queued, naming what it submitted instead. Metadata too large
+for a row (over 3.5 KB compressed: a grouped allreduce of very many tensors) is replaced by a
+line naming the server that found the mismatch, whose ranks log the details.
+""",
+    "a rank stalls, several servers": """\
+The rank that times out waiting for its stalled server-mate still takes part in the round's
+cross-server exchange, sending its error in place of its server's row; its peers on the other
+servers raise that error and post it in their own server's shared control block, where their
+server-mates (waiting on the stalled rank's cross-server peers, in stock Horovod) see it between
+polls. Cross-server waits last half the timeout longer (2 to 30 s), so that the peers are still
+there to hear it. A rank that dies cannot be reported this way under Horovod: Gloo's background
+loop (and MPI) end every process of the job within about 100 ms of the death
+("gloo::IoException: Connection closed by peer", an uncaught C++ exception), before any rank
+can raise; a job of one server, whose ranks Blink starts itself, names the dead rank (above).
+""",
+}
+
+
 def _seconds(value: Any) -> str:
     if value is None:
         return "-"
@@ -173,6 +215,8 @@ def render(doc: dict[str, Any]) -> str:
                 ) + " |"
             )
         out.append("")
+        if fault in SECTION_NOTES:
+            out.append(SECTION_NOTES[fault])
     notes = [text for fault, text in EXPECTED.items() if fault not in found] + list(doc.get("notes") or [])
     if notes:
         out.append("## Not shown by this run, and notes\n")

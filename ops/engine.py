@@ -321,6 +321,9 @@ class Engine:
             if decision.action == "stuck" and not decision.stuck:
                 self._stuck_asked = True
                 continue
+            if decision.action == "forget":
+                self._want_meta.discard(decision.key)
+                continue
             if decision.action == "wait" or (decision.action == "mismatch" and not decision.message
                                               and decision.key in self._want_meta):
                 # nothing ready, or a mismatch whose details some server's ranks have not sent yet
@@ -479,6 +482,7 @@ class Engine:
     def _on_stuck(self, decision: Decision) -> None:
         """Nothing ran for the timeout: every rank fails what it has queued, with the same message."""
         self._stuck_asked = False
+        self._want_meta.clear()  # every queued collective fails: no request for metadata outlives it
         message, names_differ = stuck_message(dict(decision.stuck), self.timeout)
         self._settle()
         with self._cond:

@@ -175,7 +175,8 @@ class Decision:
     returns), ``"stuck"`` (nothing ran for ``BLINK_TIMEOUT_SECONDS``: every
     rank fails what it has queued with ``message``, naming what each rank
     submitted, from ``stuck``; an empty ``stuck`` asks every rank to send its
-    queued names next round).
+    queued names next round), ``"forget"`` (stop sending the full metadata of
+    ``key``: every rank sent the same).
     """
 
     action: str
@@ -538,6 +539,9 @@ def _decide_mismatch(local: ServerView, views: Sequence[np.ndarray], server_inde
         else:
             metas.update(_ungroup(groups))
     if not kept:
+        if len({(m.key(), m.stock_kind) for m in metas.values()}) == 1:
+            # Every rank sent the same metadata (a request outlived its mismatch): nothing to fail.
+            return Decision("forget", [], "", any_joined, key=key)
         return Decision("mismatch", [mine] if mine else [], mismatch_message(name, metas), any_joined, key=key)
     where = ", ".join(
         f"server {s} ({format_ranks(range(int(views[s][8]), int(views[s][8] + views[s][1] + views[s][2])))})"

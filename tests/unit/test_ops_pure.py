@@ -291,3 +291,10 @@ def test_a_stuck_round_names_what_each_rank_submitted_instead() -> None:
         else:
             assert msgs == {("allreduce 'grad.w': name differs: rank 1 sent 'grad.b', ranks 0, 2, 3 sent 'grad.w' "
                              "(no collective was submitted by every rank within 10 s, BLINK_TIMEOUT_SECONDS)", True)}
+
+
+def test_a_request_for_metadata_that_agrees_is_forgotten() -> None:
+    metas = {r: meta() for r in range(4)}
+    views = [server_round([0, 1], "g", metas, True), server_round([2, 3], "g", metas, True)]
+    rows = np.stack([encode_summary(v) for v in views])
+    assert {decide_global(v, rows, s, 1 << 20).action for s, v in enumerate(views)} == {"forget"}
