@@ -116,10 +116,11 @@ cross-server exchange, sending its error in place of its server's row; its peers
 servers raise that error and post it in their own server's shared control block, where their
 server-mates (waiting on the stalled rank's cross-server peers, in stock Horovod) see it between
 polls. Cross-server waits last half the timeout longer (2 to 30 s), so that the peers are still
-there to hear it. A rank that dies cannot be reported this way under Horovod: Gloo's background
-loop (and MPI) end every process of the job within about 100 ms of the death
-("gloo::IoException: Connection closed by peer", an uncaught C++ exception), before any rank
-can raise; a job of one server, whose ranks Blink starts itself, names the dead rank (above).
+there to hear it. A rank that dies cannot be reported this way under Horovod: with Gloo, Horovod's
+background loop in every other process gets "gloo::IoException: Connection closed by peer" within
+about 100 ms of the death and, uncaught in C++, aborts its process before any rank can raise;
+with MPI, mpirun kills the whole job ("mpirun noticed that process rank 1 ... exited on signal
+9"). Ranks that Blink's runtime starts itself name the dead rank (above).
 """,
 }
 
