@@ -368,13 +368,14 @@ class Engine:
         name = f"blink.neg.{self._round}"
         try:
             proposals = self.intra_allgather(proposal)
-        except BlinkError as exc:
+        except BlinkError as found:
+            err = found
             if proposal.entries:  # say which collective the ranks were agreeing on
                 e = proposal.entries[0]
-                exc = type(exc)(f"{e.kind} {e.name!r} (agreeing on it with the other ranks): {exc}")
+                err = type(found)(f"{e.kind} {e.name!r} (agreeing on it with the other ranks): {found}")
             if self.cross_allgather is not None:  # a server-mate is dead or stalled: tell the other servers
-                self._tell_servers(encode_failure(type(exc).__name__, str(exc), self.rank), name)
-            raise exc
+                self._tell_servers(encode_failure(type(err).__name__, str(err), self.rank), name)
+            raise err from None
         view = decide_server(proposals)
         summaries = None
         if self.cross_allgather is not None:
@@ -392,10 +393,7 @@ class Engine:
     def _abort_intra(self, exc: BaseException) -> None:
         transport = getattr(self.hierarchy.intra, "transport", None)
         if transport is not None:
-            try:
-                transport.abort(exc)
-            except Exception:  # pragma: no cover - already closed
-                pass
+            transport.abort(exc)  # a no-op once closed
 
     def _tell_servers(self, row: np.ndarray | None, name: str) -> None:
         """Send this round's failure to the cross-server peers (``row``; None: it came from them), then
@@ -404,7 +402,7 @@ class Engine:
             if row is not None:
                 self.cross_allgather(row, name)  # type: ignore[misc]
             self.cross_allgather(np.zeros(1, np.int64), f"{name}.failed")  # type: ignore[misc]
-        except BaseException as exc:  # the peers may be gone too: the error to raise is known already
+        except Exception as exc:  # noqa: BLE001 - the peers may be gone too: the error to raise is known already
             log.debug("blink: telling the other servers: %s", exc)
 
     def _take(self, names: Sequence[str]) -> list[Work]:

@@ -217,7 +217,7 @@ def _field_value(m: Meta, field: str) -> str:
 
 def format_ranks(ranks: Sequence[int]) -> str:
     """``rank 1``, ``ranks 0, 2, 3``; runs of four or more consecutive ranks as ``0-63``."""
-    rs = sorted(set(int(r) for r in ranks))
+    rs = sorted({int(r) for r in ranks})
     parts: list[str] = []
     i = 0
     while i < len(rs):
@@ -239,17 +239,17 @@ def mismatch_message(name: str, metas: Mapping[int, Meta]) -> str:
     order of how few ranks sent them (the odd one out first), ties by lowest rank.
     """
     items = sorted(metas.items())
-    for field in MISMATCH_FIELDS:
+    for fld in MISMATCH_FIELDS:
         groups: dict[str, list[int]] = {}
         for r, m in items:
-            groups.setdefault(_field_value(m, field), []).append(r)
+            groups.setdefault(_field_value(m, fld), []).append(r)
         if len(groups) < 2:
             continue
         ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
         # Named after what most ranks submitted (the odd ones out are the ones that differ).
         majority = max(groups.values(), key=lambda rs: (len(rs), -rs[0]))
         kind = _field_value(dict(items)[majority[0]], "collective")
-        return f"{kind} {name!r}: {field} differs: " + ", ".join(
+        return f"{kind} {name!r}: {fld} differs: " + ", ".join(
             f"{format_ranks(rs)} sent {value}" for value, rs in ordered)
     kind = _field_value(items[0][1], "collective")
     return f"{kind} {name!r}: mismatched collectives ({format_ranks([r for r, _ in items])})"
@@ -590,7 +590,7 @@ def decide_global(local: ServerView, summaries: np.ndarray | None, server_index:
         best = max(((int(v[4]), int(v[5])) for v in views), default=(-1, -1))
         return Decision("done_join", any_joined=True, last_joined=best[1], joined_ranks=local.joined_ranks)
     rows = {s: {r[0]: r for r in _rows(v)} for s, v in active}
-    first_s, first_v = active[0]
+    _, first_v = active[0]
     mine = {digest(e.name): e for e in local.ready}
     ready: list[Entry] = []
     for row in _rows(first_v):

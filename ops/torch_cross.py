@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import BlinkTimeoutError
 
-__all__ = ["TorchCross", "wait_horovod", "cross_grace"]
+__all__ = ["TorchCross", "cross_grace", "wait_horovod"]
 
 
 def cross_grace(timeout: float) -> float:

@@ -15,9 +15,8 @@ import signal
 import sys
 import time
 
-import torch
-
 import horovod.torch as hvd
+import torch
 
 if JOB_FIELD_DEAD := json.loads(os.environ["FAULT_JOB"])["field"] == "dead":
     # horovodrun ends the job as soon as a rank dies; a host lost for good, where nobody would, is
@@ -61,7 +60,7 @@ elif FIELD == "dead" and ODD:
 try:
     collective()
     emit("no-error")
-except Exception as exc:
+except Exception as exc:  # noqa: BLE001 - whatever it is, every rank reports it
     emit("error", type=type(exc).__name__, mro=[c.__name__ for c in type(exc).__mro__], message=str(exc),
          seconds=time.time() - start)
     sys.exit(1)

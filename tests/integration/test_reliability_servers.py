@@ -147,7 +147,7 @@ def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list
         env["BLINK_LOCAL_SIZE"] = local_size
     try:
         proc = subprocess.run([str(HOROVODRUN), "-np", str(N), *hosts, sys.executable, str(JOB)],
-                              capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path)
+                              capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path, check=False)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the job did not end within 200 s: {(exc.stdout or '')[-3000:]}")
     return proc, time.time(), events_of(proc.stdout)

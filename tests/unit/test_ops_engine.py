@@ -197,7 +197,9 @@ def test_every_rank_of_every_server_names_field_values_and_ranks(cfg, servers, l
         return str(info.value)
 
     rest = [r for r in range(4) if r not in odd]
-    fmt = lambda rs: ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))  # noqa: E731
+    def fmt(rs):
+        return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
     groups = sorted([(sorted(odd), "float64"), (rest, "float32")], key=lambda g: (len(g[0]), g[0][0]))
     expected = "dtype differs: " + ", ".join(f"{fmt(rs)} sent {v}" for rs, v in groups)
     msgs = run_job(cfg, servers, local, body)

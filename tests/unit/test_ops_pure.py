@@ -176,8 +176,8 @@ def server_round(ranks, name, metas, asked):
 def test_a_mismatch_on_one_server_reaches_every_server_with_the_details(servers, local, odd) -> None:
     metas = {r: meta((4097,) if r == odd else (4096,)) for r in range(servers * local)}
     groups = [list(range(s * local, (s + 1) * local)) for s in range(servers)]
-    expected = "allreduce 'g': shape differs: rank %d sent [4097], %s sent [4096]" % (
-        odd, "ranks " + ", ".join(str(r) for r in range(4) if r != odd))
+    others = ", ".join(str(r) for r in range(4) if r != odd)
+    expected = f"allreduce 'g': shape differs: rank {odd} sent [4097], ranks {others} sent [4096]"
     for asked in (False, True):
         views = [server_round(g, "g", metas, asked) for g in groups]
         rows = np.stack([encode_summary(v) for v in views])
@@ -192,8 +192,8 @@ def test_servers_that_disagree_between_them_name_every_rank() -> None:
         views = [server_round([0, 1], "g", metas, asked), server_round([2, 3], "g", metas, asked)]
         rows = np.stack([encode_summary(v) for v in views])
         msgs = {decide_global(v, rows, s, 1 << 20).message for s, v in enumerate(views)}
-        assert msgs == ({""} if not asked else {"allreduce 'g': op differs: ranks 0, 1 sent sum, ranks 2, 3 sent "
-                                                "average"})
+        expected = "allreduce 'g': op differs: ranks 0, 1 sent sum, ranks 2, 3 sent average"
+        assert msgs == ({""} if not asked else {expected})
 
 
 def test_a_server_that_has_not_submitted_the_name_yet_is_waited_for() -> None:
@@ -289,8 +289,9 @@ def test_a_stuck_round_names_what_each_rank_submitted_instead() -> None:
         if not asked:
             assert all(not d.stuck for d in ds)
         else:
-            assert msgs == {("allreduce 'grad.w': name differs: rank 1 sent 'grad.b', ranks 0, 2, 3 sent 'grad.w' "
-                             "(no collective was submitted by every rank within 10 s, BLINK_TIMEOUT_SECONDS)", True)}
+            expected = ("allreduce 'grad.w': name differs: rank 1 sent 'grad.b', ranks 0, 2, 3 sent 'grad.w' "
+                        "(no collective was submitted by every rank within 10 s, BLINK_TIMEOUT_SECONDS)")
+            assert msgs == {(expected, True)}
 
 
 def test_a_request_for_metadata_that_agrees_is_forgotten() -> None:
