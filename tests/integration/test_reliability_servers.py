@@ -187,13 +187,16 @@ def test_every_rank_of_every_server_names_field_values_and_ranks(tmp_path: Path,
     detail = (events, proc.stdout[-2000:], proc.stderr[-2000:])
     assert sorted(errors) == survivors, detail
     lines = {e["message"] for e in errors.values()}
-    assert len(lines) == 1, lines  # the same error line on every rank of every server
-    line = lines.pop()
     if field == "stall":
+        # Server-mates of the stalled rank each time out waiting for it (their own line, naming it);
+        # the other servers' ranks raise the line of the one that told them.
         stalled = odd[0]
         assert {e["type"] for e in errors.values()} == {"BlinkTimeoutError"}, errors
-        assert f"waiting for rank {stalled}" in line and f"ranks not arrived: [{stalled}]" in line, line
+        for line in lines:
+            assert f"waiting for rank {stalled}" in line and f"ranks not arrived: [{stalled}]" in line, line
     else:
+        assert len(lines) == 1, lines  # the same error line on every rank of every server
+        line = lines.pop()
         assert {e["type"] for e in errors.values()} == {"MismatchError"}, errors
         assert line.startswith(expected_message(field, odd)), (line, expected_message(field, odd))
     assert ended - fault_at < WITHIN_S, (ended - fault_at, errors)
