@@ -442,6 +442,14 @@ def encode_summary(view: ServerView) -> np.ndarray:
     v[1], v[2] = view.n_active, view.n_joined
     v[4], v[5] = view.join_round, view.join_rank
     v[8] = view.first_rank
+    # A rank past the timeout comes first: a mismatch whose details some server cannot send (its ranks
+    # never submitted that name) would otherwise be asked about for ever.
+    if view.pending is not None:
+        v[0] = _ST_STUCK
+        blob = _pack_pending(view.pending)
+        v[7] = len(blob)
+        v[_HDR:].view(np.uint8)[:len(blob)] = np.frombuffer(blob, np.uint8)
+        return v
     if view.mismatch is not None or view.details:
         first = view.mismatch if view.mismatch is not None else view.details[0][0]
         v[0] = _ST_MISMATCH if view.mismatch is not None else _ST_DETAILS
@@ -451,12 +459,6 @@ def encode_summary(view: ServerView) -> np.ndarray:
         v[7] = len(blob)
         if blob:
             v[_HDR:].view(np.uint8)[:len(blob)] = np.frombuffer(blob, np.uint8)
-        return v
-    if view.pending is not None:
-        v[0] = _ST_STUCK
-        blob = _pack_pending(view.pending)
-        v[7] = len(blob)
-        v[_HDR:].view(np.uint8)[:len(blob)] = np.frombuffer(blob, np.uint8)
         return v
     v[0] = _ST_IDLE if view.n_active == 0 else _ST_OK
     v[3] = len(view.ready)
@@ -571,8 +573,6 @@ def decide_global(local: ServerView, summaries: np.ndarray | None, server_index:
         return _decide_single(local, fusion_bytes)
     views = [np.asarray(s) for s in summaries]
     any_joined = any(int(v[2]) > 0 for v in views)
-    if any(int(v[0]) in (_ST_MISMATCH, _ST_DETAILS) for v in views):
-        return _decide_mismatch(local, views, server_index, any_joined)
     if any(int(v[0]) == _ST_STUCK for v in views):
         pending: dict[int, list[tuple[str, str]]] = {}
         for v in views:
@@ -585,6 +585,8 @@ def decide_global(local: ServerView, summaries: np.ndarray | None, server_index:
             pending.update(got or {})
         return Decision("stuck", any_joined=any_joined, stuck=tuple(
             (r, tuple(n)) for r, n in sorted(pending.items())))
+    if any(int(v[0]) in (_ST_MISMATCH, _ST_DETAILS) for v in views):
+        return _decide_mismatch(local, views, server_index, any_joined)
     active = [(s, v) for s, v in enumerate(views) if int(v[0]) == _ST_OK]
     if not active:
         best = max(((int(v[4]), int(v[5])) for v in views), default=(-1, -1))
@@ -617,12 +619,12 @@ def decide_global(local: ServerView, summaries: np.ndarray | None, server_index:
 
 def _decide_single(view: ServerView, fusion_bytes: int) -> Decision:
     any_joined = view.n_joined > 0
+    if view.pending is not None:
+        return Decision("stuck", any_joined=any_joined, stuck=view.pending)
     if view.mismatch is not None:
         det = dict(view.details).get(view.mismatch)
         message = mismatch_message(view.mismatch, _ungroup(det)) if det is not None else ""
         return Decision("mismatch", [view.mismatch], message, any_joined, key=digest(view.mismatch))
-    if view.pending is not None:
-        return Decision("stuck", any_joined=any_joined, stuck=view.pending)
     if view.n_active == 0:
         return Decision("done_join", any_joined=True, last_joined=view.join_rank, joined_ranks=view.joined_ranks)
     if not view.ready:

@@ -299,3 +299,12 @@ def test_a_request_for_metadata_that_agrees_is_forgotten() -> None:
     views = [server_round([0, 1], "g", metas, True), server_round([2, 3], "g", metas, True)]
     rows = np.stack([encode_summary(v) for v in views])
     assert {decide_global(v, rows, s, 1 << 20).action for s, v in enumerate(views)} == {"forget"}
+
+
+def test_a_rank_past_the_timeout_ends_a_mismatch_a_server_cannot_detail() -> None:
+    # server 0 disagrees on "g"; server 1 never submitted it and its rank 2 is past the timeout
+    metas = {0: meta((4,)), 1: meta((5,))}
+    a = server_round([0, 1], "g", metas, True)
+    b = decide_server([Proposal(2, (meta().entry("h"),), overdue=True), Proposal(3, (meta().entry("h"),))])
+    rows = np.stack([encode_summary(a), encode_summary(b)])
+    assert {decide_global(v, rows, s, 1 << 20).action for s, v in enumerate([a, b])} == {"stuck"}
