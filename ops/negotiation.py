@@ -20,7 +20,25 @@ itself, so its engine runs the same agreement before any byte moves
    fusion class (Horovod's tensor fusion, bounded by
    ``HOROVOD_FUSION_THRESHOLD``); or a mismatch, raised on every rank and
    naming the disagreeing ranks; or "nothing ready yet" (try again); or the
-   end of ``join``.
+   end of ``join``; or a stuck round (below).
+
+Faults, so that every rank of every server raises the same line, with global ranks:
+
+- a *mismatch* (the ranks of one server disagree on a name's metadata, or
+  servers that each agree within disagree with each other) takes two rounds:
+  the first asks every rank for its full :class:`Meta` of that name; in the
+  second each server sends its ranks' metadata, grouped, in its summary
+  row in place of its ready entries, and every rank computes
+  :func:`mismatch_message` ("allreduce 'g': shape differs: rank 1 sent
+  [4097], ranks 0, 2, 3 sent [4096]") from the same rows;
+- *stuck*: when a rank's oldest queued collective has waited
+  ``BLINK_TIMEOUT_SECONDS`` (ranks that submitted different names), the
+  round asks every server for its ranks' queued names, and the next fails
+  what every rank has queued with :func:`stuck_message`, naming what each
+  rank submitted instead;
+- a *failed* row (:func:`encode_failure`) replaces the summary of a rank
+  whose server-mate is dead or stalled, so the other servers raise its
+  error instead of waiting for a round that will never come.
 
 Unnamed collectives are named ``<kind>.noname.<n>`` by a per-process
 counter, as Horovod does, so the k-th unnamed allreduce of every rank meets
