@@ -35,7 +35,7 @@ Python {python}). Do not edit by hand: rerun `make reliability`, i.e.
 RELIABILITY_JSON=build/reliability.json .venv/bin/python -m pytest tests/integration -k reliability
 .venv/bin/python benchmarks/reliability_report.py build/reliability.json -o docs/reliability.md
 ```
-
+{matrix_note}
 Every case runs under a hard timeout (pytest-timeout, and a wall-clock limit
 on each group of rank processes after which every rank is SIGKILLed and the
 case fails as a hang), and after every case that starts ranks the harness
@@ -62,6 +62,9 @@ ORDER = (
     "a rank dies",
     "a rank fails",
     "a rank stalls",
+    "mismatch across servers",
+    "a rank stalls, several servers",
+    "a rank dies, several servers",
     "corruption",
     "elastic",
     "resources",
@@ -76,6 +79,49 @@ ORDER = (
 EXPECTED = {
     "elastic": "Elastic (hvd.elastic.run reset with a different rank set, results equal to stock Horovod "
                "elastic): no case in this run.",
+}
+
+
+# Prose shown under a section's table: how to read it, what it cannot show.
+SECTION_NOTES = {
+    "a rank stalls": """\
+Who is named. In a spanning-tree program a rank often waits on a peer that itself waits on the
+stalled rank, so the warning and the error follow the chain of sleeps (each rank's control block
+says which peer's word it sleeps on, and the value it saw there) and name the rank at its end:
+"rank 0 has waited 2 s for ranks [1] (flag 2); rank 1 itself waits for rank 2: rank 2 is the one
+stalled. Missing ranks: 2". A rank frozen inside a sleep keeps its sleep token; once the word it
+slept on has moved past the value it saw, the token is stale and the chain stops at that rank
+(`tests/unit/test_runtime_wait_chain.py`). Both cases were seen under load on 2 cores: before,
+the warning named the peer waited on directly (CI failed once on it; 5 of 12 runs of the SIGSTOP
+test failed with two busy loops beside it), after, 8 of 8 such runs passed.
+""",
+    "mismatch across servers": """\
+Each case is one `horovodrun` job of four ranks with `BLINK_ENABLE=1` running a plain Horovod
+PyTorch script (`tests/integration/fault_job.py`); "odd" says which global ranks submit the odd
+value. How the error reaches every rank: the round in which a server finds its ranks disagree
+(or in which servers, each agreeing within, disagree with each other) asks every rank for its
+full metadata of that collective; in the next round every server sends its ranks' metadata,
+grouped, in its cross-server row (compressed, in place of its ready entries), so every rank of
+every server computes the same line from the same metadata, with global ranks. Before raising,
+the ranks meet within the server, across servers and within the server again, so that no rank
+exits (and shuts Horovod down) while another is still in the round's exchange. A name that
+differs cannot be told from a late rank until `BLINK_TIMEOUT_SECONDS`: then a round agreed by
+every rank fails what each rank has queued, naming what it submitted instead. Metadata too large
+for a row (over 3.5 KB compressed: a grouped allreduce of very many tensors) is replaced by a
+line naming the server that found the mismatch, whose ranks log the details.
+""",
+    "a rank stalls, several servers": """\
+The rank that times out waiting for its stalled server-mate still takes part in the round's
+cross-server exchange, sending its error in place of its server's row; its peers on the other
+servers raise that error and post it in their own server's shared control block, where their
+server-mates (waiting on the stalled rank's cross-server peers, in stock Horovod) see it between
+polls. Cross-server waits last half the timeout longer (2 to 30 s), so that the peers are still
+there to hear it. A rank that dies cannot be reported this way under Horovod: with Gloo, Horovod's
+background loop in every other process gets "gloo::IoException: Connection closed by peer" within
+about 100 ms of the death and, uncaught in C++, aborts its process before any rank can raise;
+with MPI, mpirun kills the whole job ("mpirun noticed that process rank 1 ... exited on signal
+9"). Ranks that Blink's runtime starts itself name the dead rank (above).
+""",
 }
 
 
@@ -94,8 +140,41 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+MATRIX_NOTE = """
+The rows of jobs of several servers come from the whole matrix (every field, where
+the odd rank is, 1x4 / 2x2 / 4x1, Gloo and MPI), of which CI runs a few cases:
+
+```
+.venv/bin/python benchmarks/cross_server_faults.py -o build/cross_server.json
+.venv/bin/python benchmarks/reliability_report.py build/reliability.json build/cross_server.json -o docs/reliability.md
+```
+"""
+
+
+def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs as one: their records (a case recorded again replaces the earlier row) and outcomes."""
+    if len(docs) == 1:
+        return docs[0]
+    rows: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+    outcomes: dict[str, str] = {}
+    for d in docs:
+        for r in d.get("records", []):
+            rows.pop((r["test"], str(r.get("case"))), None)
+            rows[(r["test"], str(r.get("case")))] = r
+        outcomes.update(d.get("outcomes", {}))
+    return {
+        "format": docs[0].get("format"),
+        "generated_utc": " and ".join(str(d.get("generated_utc", "?")) for d in docs),
+        "host": docs[0].get("host", {}),
+        "records": list(rows.values()),
+        "outcomes": dict(sorted(outcomes.items())),
+        "notes": [n for d in docs for n in (d.get("notes") or [])],
+        "runs": len(docs),
+    }
+
+
 def render(doc: dict[str, Any]) -> str:
-    """The markdown of one run (``blink-reliability-run/1``)."""
+    """The markdown of one run (``blink-reliability-run/1``), or of several :func:`merge` d."""
     records = doc.get("records", [])
     host = doc.get("host", {})
     by_test: dict[str, str] = {r["test"]: r.get("outcome", "unknown") for r in records}
@@ -109,6 +188,7 @@ def render(doc: dict[str, Any]) -> str:
             passed=passed,
             total=len(by_test),
             failed_note=(" (not passed: " + ", ".join(f"`{t}`" for t in failed) + ")") if failed else "",
+            matrix_note=MATRIX_NOTE if doc.get("runs", 1) > 1 else "",
         )
     ]
     found: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
@@ -136,6 +216,8 @@ def render(doc: dict[str, Any]) -> str:
                 ) + " |"
             )
         out.append("")
+        if fault in SECTION_NOTES:
+            out.append(SECTION_NOTES[fault])
     notes = [text for fault, text in EXPECTED.items() if fault not in found] + list(doc.get("notes") or [])
     if notes:
         out.append("## Not shown by this run, and notes\n")
@@ -152,18 +234,23 @@ def render(doc: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", help="JSON written by a test run with RELIABILITY_JSON set")
+    parser.add_argument("run", nargs="+", help="JSON written by a test run with RELIABILITY_JSON set "
+                        "(several: one document, a case recorded again replacing the earlier row)")
     parser.add_argument("-o", "--output", default="docs/reliability.md", help="markdown to write (default docs/reliability.md; '-' for stdout)")
     parser.add_argument("--note", action="append", default=[], help="a line for the Notes section (repeatable)")
     args = parser.parse_args(argv)
-    try:
-        doc = json.loads(Path(args.run).read_text())
-    except (OSError, ValueError) as exc:
-        print(f"reliability_report: error: cannot read {args.run!r}: {exc}", file=sys.stderr)
-        return 2
-    if doc.get("format") != "blink-reliability-run/1":
-        print(f"reliability_report: error: {args.run!r} is not a blink-reliability-run/1 file", file=sys.stderr)
-        return 2
+    docs = []
+    for run in args.run:
+        try:
+            doc = json.loads(Path(run).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"reliability_report: error: cannot read {run!r}: {exc}", file=sys.stderr)
+            return 2
+        if doc.get("format") != "blink-reliability-run/1":
+            print(f"reliability_report: error: {run!r} is not a blink-reliability-run/1 file", file=sys.stderr)
+            return 2
+        docs.append(doc)
+    doc = merge(docs)
     doc["notes"] = list(doc.get("notes") or []) + args.note
     text = render(doc)
     if args.output == "-":

@@ -109,6 +109,10 @@ def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTran
                           f"{rdv.local_rank} of {rdv.local_size} on its host, expected {layout.local_rank})")
         comm = Communicator(layout.local_rank, layout.local_size, None, rdv, cfg)
     intra = comm.allgather_object if comm is not None else (lambda obj: [obj])
+    if cross is not None and comm is not None and comm.transport is not None:
+        comm.transport.rank_offset = layout.server * layout.local_size  # errors name global ranks
+        if hasattr(cross, "interrupt"):
+            cross.interrupt = _peer_check(comm.transport, cfg)
 
     def cross_allgather(row: np.ndarray, name: str) -> np.ndarray:
         return cross.allgather_rows(row, layout.cross_ranks(), name)  # type: ignore[union-attr]
@@ -188,6 +192,15 @@ def add_missing_sets(layout: Layout, sets: dict, add_process_set: Callable[[list
                 log.warning("blink: cannot add process set %s: %s", ranks, exc)
                 return False
     return True
+
+
+def _peer_check(transport: Any, cfg: Config) -> Callable[[], None]:
+    """Raises, during a cross-server wait, the error a server-mate aborted with (its own, or one it
+    learnt from another server), so that no rank waits out the timeout for a peer that will never come."""
+    from ..runtime.transport import WaitContext
+
+    ctx = WaitContext.start("cross-server exchange", cfg.timeout_seconds, cfg.stall_check_seconds)
+    return lambda: transport.check_peers(ctx)
 
 
 def _env() -> dict:

@@ -46,7 +46,7 @@ from .fusion import FlatBuffer
 from .hierarchical import Hierarchy
 from .patching import bypass
 from .negotiation import DTYPE_CODES, MAX_ENTRIES, Decision, Meta, Proposal, decide_global, decide_server, \
-    encode_summary
+    digest, encode_failure, encode_summary, failure_of, stuck_message
 from .scaling import average_postscale, needs_scaling, scale_into
 
 __all__ = ["Handle", "Work", "Engine", "StockWaiter", "identity_value"]
@@ -215,7 +215,8 @@ class Engine:
         self._joined = False
         self._join_round = -1
         self._join_work: Work | None = None
-        self._want_meta: set[str] = set()
+        self._want_meta: set[int] = set()  # digests of the names whose full metadata the next rounds carry
+        self._stuck_asked = False  # a round asked every rank for its queued names (nothing ran for the timeout)
         self._running: set[str] = set()
         self._next_warn = 0.0
         self.last_round_seconds = 0.0
@@ -300,8 +301,9 @@ class Engine:
             if self._joined:
                 return Proposal(self.rank, joined=True, join_round=self._join_round)
             works = list(itertools.islice(self._queue.values(), MAX_ENTRIES))
-            metas = tuple((w.name, w.meta) for w in works if w.name in self._want_meta)
-            return Proposal(self.rank, tuple(w.entry for w in works), metas=metas)
+            metas = tuple((w.name, w.meta) for w in works if self._want_meta and digest(w.name) in self._want_meta)
+            overdue = self._stuck_asked or time.monotonic() - works[0].since > self.timeout
+            return Proposal(self.rank, tuple(w.entry for w in works), metas=metas, overdue=overdue)
 
     def _rounds(self) -> None:
         delay = 0.0
@@ -316,7 +318,15 @@ class Engine:
                 self._break(exc)
                 return
             self._round += 1
-            if decision.action == "wait":
+            if decision.action == "stuck" and not decision.stuck:
+                self._stuck_asked = True
+                continue
+            if decision.action == "forget":
+                self._want_meta.discard(decision.key)
+                continue
+            if decision.action == "wait" or (decision.action == "mismatch" and not decision.message
+                                              and decision.key in self._want_meta):
+                # nothing ready, or a mismatch whose details some server's ranks have not sent yet
                 delay = min(max(delay * 2, 2e-4), 0.02)
                 self._idle_wait(decision, delay)
                 continue
@@ -334,7 +344,9 @@ class Engine:
         missing = dict(decision.waiting)
         with self._cond:
             oldest = next(iter(self._queue.values()), None)
-            if oldest is not None and now - oldest.since > self.timeout:
+            # Past the timeout the next round is a "stuck" one, agreed by every rank (_on_stuck); this
+            # rank fails its own collective alone only as a last resort, should the rounds not get there.
+            if oldest is not None and now - oldest.since > 2 * self.timeout + 5:
                 self._queue.pop(oldest.name, None)
                 ranks = missing.get(oldest.name, ())
                 self._cond.release()
@@ -353,12 +365,45 @@ class Engine:
             self._cond.wait(delay)
 
     def _negotiate(self, proposal: Proposal) -> Decision:
-        proposals = self.intra_allgather(proposal)
+        name = f"blink.neg.{self._round}"
+        try:
+            proposals = self.intra_allgather(proposal)
+        except BlinkError as found:
+            err = found
+            if proposal.entries:  # say which collective the ranks were agreeing on
+                e = proposal.entries[0]
+                err = type(found)(f"{e.kind} {e.name!r} (agreeing on it with the other ranks): {found}")
+            if self.cross_allgather is not None:  # a server-mate is dead or stalled: tell the other servers
+                self._tell_servers(encode_failure(type(err).__name__, str(err), self.rank), name)
+            raise err from None
         view = decide_server(proposals)
         summaries = None
         if self.cross_allgather is not None:
-            summaries = self.cross_allgather(encode_summary(view), f"blink.neg.{self._round}")
+            summaries = self.cross_allgather(encode_summary(view), name)
+            failed = failure_of(summaries)
+            if failed is not None:  # another server's rank found its server-mate dead or stalled
+                kind, message, _ = failed
+                cls = {c.__name__: c for c in (BlinkTimeoutError, MismatchError)}.get(kind, BlinkInternalError)
+                exc = cls(message)
+                self._abort_intra(exc)  # the server-mates waiting on other servers learn it from here
+                self._tell_servers(None, name)
+                raise exc
         return decide_global(view, summaries, self.server_index, self.fusion_bytes)
+
+    def _abort_intra(self, exc: BaseException) -> None:
+        transport = getattr(self.hierarchy.intra, "transport", None)
+        if transport is not None:
+            transport.abort(exc)  # a no-op once closed
+
+    def _tell_servers(self, row: np.ndarray | None, name: str) -> None:
+        """Send this round's failure to the cross-server peers (``row``; None: it came from them), then
+        meet them once more, so that none of them is still receiving it when this rank raises."""
+        try:
+            if row is not None:
+                self.cross_allgather(row, name)  # type: ignore[misc]
+            self.cross_allgather(np.zeros(1, np.int64), f"{name}.failed")  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 - the peers may be gone too: the error to raise is known already
+            log.debug("blink: telling the other servers: %s", exc)
 
     def _take(self, names: Sequence[str]) -> list[Work]:
         with self._cond:
@@ -375,14 +420,10 @@ class Engine:
                 self._complete([work], decision.last_joined)
             return
         if decision.action == "mismatch":
-            if self._joined or not decision.names:
-                return
-            name = decision.names[0]
-            if not decision.message:  # ask every rank for the full metadata of this name next round
-                self._want_meta.add(name)
-                return
-            self._want_meta.discard(name)
-            self._fail(self._take([name]), MismatchError(decision.message))
+            self._on_mismatch(decision)
+            return
+        if decision.action == "stuck":
+            self._on_stuck(decision)
             return
         # "run"
         if self._joined:
@@ -417,6 +458,54 @@ class Engine:
             for i, w in enumerate(works):
                 record(kind, w.nbytes, seconds if i == 0 else 0.0)
         self._complete(works, None)
+
+    def _on_mismatch(self, decision: Decision) -> None:
+        """Every rank has the same decision: ask for full metadata next round, or fail the collective."""
+        if not decision.message:
+            self._want_meta.add(decision.key)
+            return
+        self._want_meta.discard(decision.key)
+        if decision.log:
+            log.error("blink: rank %d: %s", self.rank, decision.log)
+        self._settle()
+        if self._joined:
+            return
+        if not decision.names:  # this server's ranks did not name it in the round: look it up by its digest
+            with self._cond:
+                decision.names = [n for n in self._queue if digest(n) == decision.key][:1]
+        names = decision.names
+        if names:
+            self._fail(self._take(names[:1]), MismatchError(decision.message))
+
+    def _on_stuck(self, decision: Decision) -> None:
+        """Nothing ran for the timeout: every rank fails what it has queued, with the same message."""
+        self._stuck_asked = False
+        self._want_meta.clear()  # every queued collective fails: no request for metadata outlives it
+        message, names_differ = stuck_message(dict(decision.stuck), self.timeout)
+        self._settle()
+        with self._cond:
+            works = list(self._queue.values())
+            self._queue.clear()
+        self._fail(works, (MismatchError if names_differ else BlinkTimeoutError)(message))
+
+    def _settle(self) -> None:
+        """Every rank of the job has reached this round before any rank raises its error.
+
+        A rank that raises may exit at once, and its exit shuts Horovod down under the ranks
+        still exchanging this round's rows on other process sets ("Horovod has been shut
+        down"), which would then fail with that instead of the error every rank was about
+        to raise.  The server's ranks meet, then each meets its cross-server peers (so every
+        rank of the job has got here), then the server's ranks meet again (so every rank's
+        cross-server exchange is over before any rank of the server goes on).
+        """
+        if self.cross_allgather is None:
+            return
+        intra = self.hierarchy.intra
+        if intra is not None:
+            intra.barrier()
+        self.cross_allgather(np.zeros(1, np.int64), f"blink.{self._round}.settle")
+        if intra is not None:
+            intra.barrier()
 
     # -- data stages ---------------------------------------------------------------------------
 

@@ -20,7 +20,25 @@ itself, so its engine runs the same agreement before any byte moves
    fusion class (Horovod's tensor fusion, bounded by
    ``HOROVOD_FUSION_THRESHOLD``); or a mismatch, raised on every rank and
    naming the disagreeing ranks; or "nothing ready yet" (try again); or the
-   end of ``join``.
+   end of ``join``; or a stuck round (below).
+
+Faults, so that every rank of every server raises the same line, with global ranks:
+
+- a *mismatch* (the ranks of one server disagree on a name's metadata, or
+  servers that each agree within disagree with each other) takes two rounds:
+  the first asks every rank for its full :class:`Meta` of that name; in the
+  second each server sends its ranks' metadata, grouped, in its summary
+  row in place of its ready entries, and every rank computes
+  :func:`mismatch_message` ("allreduce 'g': shape differs: rank 1 sent
+  [4097], ranks 0, 2, 3 sent [4096]") from the same rows;
+- *stuck*: when a rank's oldest queued collective has waited
+  ``BLINK_TIMEOUT_SECONDS`` (ranks that submitted different names), the
+  round asks every server for its ranks' queued names, and the next fails
+  what every rank has queued with :func:`stuck_message`, naming what each
+  rank submitted instead;
+- a *failed* row (:func:`encode_failure`) replaces the summary of a rank
+  whose server-mate is dead or stalled, so the other servers raise its
+  error instead of waiting for a round that will never come.
 
 Unnamed collectives are named ``<kind>.noname.<n>`` by a per-process
 counter, as Horovod does, so the k-th unnamed allreduce of every rank meets
@@ -35,19 +53,22 @@ that a joined rank can size its buffers from the entry alone.
 from __future__ import annotations
 
 import hashlib
+import json
+import zlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 __all__ = ["Meta", "Entry", "Proposal", "ServerView", "Decision", "decide_server", "decide_global",
-           "encode_summary", "SUMMARY_LEN", "MAX_ENTRIES", "MAX_FUSED", "DTYPE_CODES", "digest"]
+           "encode_summary", "encode_failure", "failure_of", "mismatch_message", "stuck_message", "format_ranks", "SUMMARY_LEN", "MAX_ENTRIES", "MAX_FUSED", "DTYPE_CODES", "digest"]
 
 KINDS = ("allreduce", "broadcast", "stock", "barrier")
 OP_CODES = {"sum": 0, "average": 1, "min": 2, "max": 3, "product": 4, "": 5}
 DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "int16", "bool")
 MAX_ENTRIES = 64  # queued collectives one proposal carries
 MAX_FUSED = 64    # collectives one round may fuse
+PENDING_NAMES = 4  # queued names per rank a stuck round reports
 
 
 def digest(*parts: object) -> int:
@@ -135,6 +156,10 @@ class Proposal:
     joined: bool = False
     join_round: int = -1
     metas: tuple[tuple[str, Meta], ...] = ()  # full metadata, only for names a previous round found mismatched
+    overdue: bool = False  # nothing this rank queued has run for BLINK_TIMEOUT_SECONDS (or a round asked)
+
+
+Groups = tuple  # ((Meta, (rank, ...)), ...): one collective's metadata as the ranks sent it, grouped by value
 
 
 @dataclass(frozen=True)
@@ -144,11 +169,16 @@ class ServerView:
     n_active: int
     n_joined: int
     ready: tuple[Entry, ...]                      # ready on every active rank, first active rank's order
-    mismatch: tuple[str, str] | None = None       # (name, message)
+    mismatch: str | None = None                   # the first name the server's ranks disagree on
     join_round: int = -1
     join_rank: int = -1
     joined_ranks: tuple[int, ...] = ()
     waiting: tuple[tuple[str, tuple[int, ...]], ...] = ()  # name -> ranks that have not submitted it
+    # name -> every active rank's full metadata of it, grouped (the names whose metadata a previous round asked for)
+    details: tuple[tuple[str, Groups], ...] = ()
+    first_rank: int = 0                           # the server's lowest global rank
+    # when a rank is overdue: every active rank's queued (name, kind), oldest first (the first few)
+    pending: tuple[tuple[int, tuple[tuple[str, str], ...]], ...] | None = None
 
 
 @dataclass
@@ -156,9 +186,15 @@ class Decision:
     """What every rank does in a round (identical on all ranks).
 
     ``action``: ``"run"`` (the collectives ``names``, fused), ``"mismatch"``
-    (fail collective ``names[0]`` with ``message``), ``"wait"`` (nothing is
-    ready on every rank yet), ``"done_join"`` (every rank has joined;
-    ``last_joined`` is what ``join`` returns).
+    (fail collective ``names[0]`` -- the one whose name digest is ``key`` --
+    with ``message``; an empty message asks every rank for its full metadata
+    of ``key`` next round), ``"wait"`` (nothing is ready on every rank yet),
+    ``"done_join"`` (every rank has joined; ``last_joined`` is what ``join``
+    returns), ``"stuck"`` (nothing ran for ``BLINK_TIMEOUT_SECONDS``: every
+    rank fails what it has queued with ``message``, naming what each rank
+    submitted, from ``stuck``; an empty ``stuck`` asks every rank to send its
+    queued names next round), ``"forget"`` (stop sending the full metadata of
+    ``key``: every rank sent the same).
     """
 
     action: str
@@ -169,32 +205,96 @@ class Decision:
     last_joined: int = -1
     joined_ranks: tuple[int, ...] = ()
     waiting: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    key: int = 0
+    log: str = ""  # what this server's ranks log besides the message (details too large to cross servers)
+    stuck: tuple[tuple[int, tuple[tuple[str, str], ...]], ...] = ()  # "stuck": each rank's queued (name, kind)
 
 
-def mismatch_message(name: str, metas: dict[int, Meta]) -> str:
-    """Horovod-style: 'Mismatched <field> for <name>: rank a sent ..., but rank b sent ...'."""
-    items = sorted(metas.items())
-    r0, m0 = items[0]
-    for r1, m1 in items[1:]:
-        if m1.key() == m0.key():
-            continue
-        if m0.kind != m1.kind or m0.stock_kind != m1.stock_kind:
-            what, a, b = "collective operations", m0.describe(), m1.describe()
-        elif m0.dtypes != m1.dtypes:
-            what, a, b = "data types", ",".join(m0.dtypes), ",".join(m1.dtypes)
-        elif m0.shapes != m1.shapes:
-            what, a = f"{m0.kind} tensor shapes", str([list(s) for s in m0.shapes])
-            b = str([list(s) for s in m1.shapes])
-        elif m0.root != m1.root:
-            what, a, b = "root ranks", str(m0.root), str(m1.root)
-        elif m0.op != m1.op:
-            what, a, b = "reduction operations", m0.op, m1.op
-        elif m0.process_set != m1.process_set:
-            what, a, b = "process sets", str(list(m0.process_set)), str(list(m1.process_set))
+# The fields a mismatch names, in the order they are checked (the first that differs is reported).
+MISMATCH_FIELDS = ("collective", "dtype", "shape", "op", "root", "prescale", "postscale", "process set")
+
+
+def _field_value(m: Meta, field: str) -> str:
+    if field == "collective":
+        return m.stock_kind or m.kind
+    if field == "dtype":
+        return ",".join(m.dtypes) if m.dtypes else "-"
+    if field == "shape":
+        shapes = ["[" + ", ".join(str(d) for d in s) + "]" for s in m.shapes]
+        return shapes[0] if len(shapes) == 1 else "[" + ", ".join(shapes) + "]"
+    if field == "op":
+        return m.op
+    if field == "root":
+        return str(m.root)
+    if field == "prescale":
+        return repr(float(m.prescale))
+    if field == "postscale":
+        return repr(float(m.postscale))
+    return "[" + ", ".join(str(r) for r in m.process_set) + "]"
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """``rank 1``, ``ranks 0, 2, 3``; runs of four or more consecutive ranks as ``0-63``."""
+    rs = sorted({int(r) for r in ranks})
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        if j - i >= 3:
+            parts.append(f"{rs[i]}-{rs[j]}")
         else:
-            what, a, b = "prescale/postscale factors", f"{m0.prescale}/{m0.postscale}", f"{m1.prescale}/{m1.postscale}"
-        return f"Mismatched {what} for {name!r}: rank {r0} sent {a}, but rank {r1} sent {b}"
-    return f"Mismatched collectives for {name!r}"
+            parts.extend(str(r) for r in rs[i:j + 1])
+        i = j + 1
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(parts)
+
+
+def mismatch_message(name: str, metas: Mapping[int, Meta]) -> str:
+    """The one line every rank raises: the collective, the field, each value and the global ranks that sent it.
+
+    ``allreduce 'g': shape differs: rank 1 sent [4097], ranks 0, 2, 3 sent [4096]`` -- the values in the
+    order of how few ranks sent them (the odd one out first), ties by lowest rank.
+    """
+    items = sorted(metas.items())
+    for fld in MISMATCH_FIELDS:
+        groups: dict[str, list[int]] = {}
+        for r, m in items:
+            groups.setdefault(_field_value(m, fld), []).append(r)
+        if len(groups) < 2:
+            continue
+        ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
+        # Named after what most ranks submitted (the odd ones out are the ones that differ).
+        majority = max(groups.values(), key=lambda rs: (len(rs), -rs[0]))
+        kind = _field_value(dict(items)[majority[0]], "collective")
+        return f"{kind} {name!r}: {fld} differs: " + ", ".join(
+            f"{format_ranks(rs)} sent {value}" for value, rs in ordered)
+    kind = _field_value(items[0][1], "collective")
+    return f"{kind} {name!r}: mismatched collectives ({format_ranks([r for r, _ in items])})"
+
+
+def _meta_row(m: Meta) -> list:
+    return [m.kind, m.stock_kind, list(m.dtypes), [list(s) for s in m.shapes], m.op, m.root, m.prescale,
+            m.postscale, list(m.process_set)]
+
+
+def _meta_from_row(row: Sequence, name: str) -> Meta:
+    kind, stock_kind, dtypes, shapes, op, root, pre, post, pset = row
+    return Meta(kind, name, tuple(dtypes), tuple(tuple(int(d) for d in s) for s in shapes), op=op, root=int(root),
+                prescale=float(pre), postscale=float(post), process_set=tuple(int(r) for r in pset),
+                stock_kind=stock_kind)
+
+
+def _group(metas: Mapping[int, Meta]) -> Groups:
+    out: dict[tuple, tuple[Meta, list[int]]] = {}
+    for r, m in sorted(metas.items()):
+        k = (m.key(), m.stock_kind)
+        out.setdefault(k, (m, []))[1].append(r)
+    return tuple((m, tuple(rs)) for m, rs in out.values())
+
+
+def _ungroup(groups: Groups) -> dict[int, Meta]:
+    return {r: m for m, rs in groups for r in rs}
 
 
 def decide_server(proposals: Sequence[Proposal]) -> ServerView:
@@ -203,22 +303,25 @@ def decide_server(proposals: Sequence[Proposal]) -> ServerView:
     joined = [p for p in proposals if p.joined]
     jr, jrank = max(((p.join_round, p.rank) for p in joined), default=(-1, -1))
     joined_ranks = tuple(sorted(p.rank for p in joined))
+    first_rank = min((p.rank for p in proposals), default=0)
     if not active:
-        return ServerView(0, len(joined), (), join_round=jr, join_rank=jrank, joined_ranks=joined_ranks)
+        return ServerView(0, len(joined), (), join_round=jr, join_rank=jrank, joined_ranks=joined_ranks,
+                          first_rank=first_rank)
     by_rank = [{e.name: e for e in p.entries} for p in active]
-    ready, waiting = [], []
+    full = [dict(p.metas) for p in active]
+    ready, waiting, details = [], [], []
     mismatch = None
     for e in active[0].entries:
         have = [m.get(e.name) for m in by_rank]
         if any(x is None for x in have):
             waiting.append((e.name, tuple(p.rank for p, x in zip(active, have) if x is None)))
             continue
-        if mismatch is None and any(x.key != e.key for x in have):
-            full = {p.rank: dict(p.metas).get(e.name) for p in active}
-            if all(m is not None for m in full.values()):
-                mismatch = (e.name, mismatch_message(e.name, full))  # type: ignore[arg-type]
-            else:
-                mismatch = (e.name, "")  # the ranks send their full metadata next round
+        metas = [f.get(e.name) for f in full]
+        if all(m is not None for m in metas):  # asked for: every rank's full metadata, for every server to see
+            details.append((e.name, _group({p.rank: m for p, m in zip(active, metas)})))  # type: ignore[misc]
+        if any(x.key != e.key for x in have):
+            if mismatch is None:
+                mismatch = e.name  # the ranks send their full metadata next round (unless they just did)
             continue
         ready.append(e)
     # Names the lowest rank has not submitted are waited for too: the stall warning and the timeout then name
@@ -229,25 +332,154 @@ def decide_server(proposals: Sequence[Proposal]) -> ServerView:
             if e.name not in seen:
                 seen.add(e.name)
                 waiting.append((e.name, tuple(q.rank for q, m in zip(active, by_rank) if e.name not in m)))
+    pending = None
+    if any(p.overdue for p in active):
+        pending = tuple((p.rank, tuple((e.name, e.kind) for e in p.entries[:PENDING_NAMES])) for p in active)
     return ServerView(len(active), len(joined), tuple(ready[:MAX_ENTRIES]), mismatch, jr, jrank, joined_ranks,
-                      tuple(waiting))
+                      tuple(waiting), tuple(details), first_rank, pending)
 
 
 # -- the cross-server summary: a fixed-length int64 vector ------------------------------------------------------
 
-_HDR = 8
+_HDR = 10  # status, active, joined, ready, join round, join rank, flagged name digest, blob bytes, first rank, -
 _PER = 7  # name digest, key, fuse, nbytes, kind|op, root, dtype|numel
 SUMMARY_LEN = _HDR + _PER * MAX_ENTRIES
-_ST_OK, _ST_MISMATCH, _ST_IDLE = 0, 1, 2
+_ST_OK, _ST_MISMATCH, _ST_IDLE, _ST_DETAILS, _ST_STUCK, _ST_FAILED = 0, 1, 2, 3, 4, 5
+_BLOB_BYTES = 8 * _PER * MAX_ENTRIES  # a flagged server's row carries metadata in place of its entries
+
+
+def _pack_details(details: Sequence[tuple[str, Groups]], first: str) -> bytes:
+    """The details as compressed JSON, within the row; what does not fit is dropped, and if even the
+    flagged name's details do not fit, they are marked as kept in this server's log (``null``)."""
+    rows = [[name, [[_meta_row(m), list(rs)] for m, rs in groups]] for name, groups in details]
+    flagged = [r for r in rows if r[0] == first]
+    for attempt in (flagged + [r for r in rows if r[0] != first], flagged, [[first, None]]):
+        blob = zlib.compress(json.dumps(attempt, separators=(",", ":")).encode("utf-8"))
+        if len(blob) <= _BLOB_BYTES:
+            return blob
+    return zlib.compress(json.dumps([[first[:200] + "...", None]]).encode("utf-8"))  # pragma: no cover
+
+
+def _unpack_details(v: np.ndarray) -> dict[int, tuple[str, Groups | None]]:
+    """name digest -> (name, groups or None where they stayed in the server's log) of a flagged row."""
+    n = int(v[7])
+    if n <= 0:
+        return {}
+    raw = np.ascontiguousarray(v[_HDR:]).view(np.uint8)[:n].tobytes()
+    out: dict[int, tuple[str, Groups | None]] = {}
+    for name, groups in json.loads(zlib.decompress(raw).decode("utf-8")):
+        out[digest(name)] = (name, None if groups is None else
+                             tuple((_meta_from_row(m, name), tuple(int(r) for r in rs)) for m, rs in groups))
+    return out
+
+
+def _pack_pending(pending: Sequence[tuple[int, Sequence[tuple[str, str]]]]) -> bytes:
+    rows = [[r, [[n, k] for n, k in names]] for r, names in pending]
+    limit = 200
+    while True:
+        blob = zlib.compress(json.dumps(rows, separators=(",", ":")).encode("utf-8"))
+        if len(blob) <= _BLOB_BYTES or limit < 8:
+            return blob[:_BLOB_BYTES] if len(blob) > _BLOB_BYTES else blob
+        rows = [[r, [[n[:limit], k] for n, k in names[:1]]] for r, names in rows]  # shorter, fewer names
+        limit //= 2
+
+
+def _unpack_pending(v: np.ndarray) -> dict[int, list[tuple[str, str]]] | None:
+    n = int(v[7])
+    try:
+        raw = np.ascontiguousarray(v[_HDR:]).view(np.uint8)[:n].tobytes()
+        return {int(r): [(str(a), str(b)) for a, b in names] for r, names in json.loads(zlib.decompress(raw))}
+    except (ValueError, zlib.error):  # cut short (a job of very many ranks): the names stay unknown
+        return None
+
+
+def stuck_message(pending: Mapping[int, Sequence[tuple[str, str]]], timeout: float) -> tuple[str, bool]:
+    """What every rank raises when nothing ran for ``timeout`` s: ``(message, names_differ)``.
+
+    The name most ranks submitted is the one the others lack; each of those is named with what
+    it submitted instead: "allreduce 'grad.w': name differs: rank 1 sent 'grad.b', ranks 0, 2, 3
+    sent 'grad.w' (no collective was submitted by every rank within 10 s, BLINK_TIMEOUT_SECONDS)".
+    """
+    why = f"(no collective was submitted by every rank within {timeout:g} s, BLINK_TIMEOUT_SECONDS)"
+    count: dict[str, list[int]] = {}
+    kinds: dict[str, str] = {}
+    for r, names in sorted(pending.items()):
+        for n, k in names:
+            count.setdefault(n, []).append(r)
+            kinds.setdefault(n, k)
+    if not count:
+        return f"nothing ran {why}", False
+    want = max(count, key=lambda n: (len(count[n]), -count[n][0]))
+    lacking = [r for r in sorted(pending) if r not in count[want]]
+    if not lacking:
+        return f"{kinds[want]} {want!r}: submitted by {format_ranks(count[want])} but not run {why}", False
+    groups: dict[str, list[int]] = {}
+    for r in lacking:
+        head = pending[r][0][0] if pending[r] else "nothing"
+        groups.setdefault(repr(head) if pending[r] else head, []).append(r)
+    groups[repr(want)] = count[want]
+    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
+    return (f"{kinds[want]} {want!r}: name differs: "
+            + ", ".join(f"{format_ranks(rs)} sent {v}" for v, rs in ordered) + f" {why}"), True
+
+
+def encode_failure(kind: str, message: str, rank: int) -> np.ndarray:
+    """The row a rank sends in place of its server's summary when the round failed within its server
+    (a server-mate timed out or died): the error's class name and message, for every server to raise."""
+    v = np.zeros(SUMMARY_LEN, dtype=np.int64)
+    v[0] = _ST_FAILED
+    v[8] = rank
+    raw = json.dumps([kind, message]).encode("utf-8")
+    blob = zlib.compress(raw)
+    if len(blob) > _BLOB_BYTES:  # pragma: no cover - messages are short
+        blob = zlib.compress(json.dumps([kind, message[:2000] + "..."]).encode("utf-8"))
+    v[7] = len(blob)
+    v[_HDR:].view(np.uint8)[:len(blob)] = np.frombuffer(blob, np.uint8)
+    return v
+
+
+def failure_of(summaries: np.ndarray) -> tuple[str, str, int] | None:
+    """``(class name, message, sending rank)`` of the first failed row of a round, or None."""
+    for v in summaries:
+        if int(v[0]) == _ST_FAILED:
+            raw = np.ascontiguousarray(v[_HDR:]).view(np.uint8)[:int(v[7])].tobytes()
+            kind, message = json.loads(zlib.decompress(raw))
+            return str(kind), str(message), int(v[8])
+    return None
 
 
 def encode_summary(view: ServerView) -> np.ndarray:
-    """The server's view as the fixed-size int64 row the cross-server allgather carries."""
+    """The server's view as the fixed-size int64 row the cross-server allgather carries.
+
+    A server whose ranks disagree on a name (``mismatch``), or that was asked for its ranks' full
+    metadata of a name (``details``), sends that metadata instead of its ready entries: that round is
+    a mismatch round on every server, and the metadata lets every rank name the field, the values and
+    the ranks that sent each.
+    """
     v = np.zeros(SUMMARY_LEN, dtype=np.int64)
-    v[0] = _ST_MISMATCH if view.mismatch else (_ST_IDLE if view.n_active == 0 else _ST_OK)
-    v[1], v[2], v[3] = view.n_active, view.n_joined, len(view.ready)
+    v[1], v[2] = view.n_active, view.n_joined
     v[4], v[5] = view.join_round, view.join_rank
-    v[6] = digest(view.mismatch[0]) if view.mismatch else 0
+    v[8] = view.first_rank
+    # A rank past the timeout comes first: a mismatch whose details some server cannot send (its ranks
+    # never submitted that name) would otherwise be asked about for ever.
+    if view.pending is not None:
+        v[0] = _ST_STUCK
+        blob = _pack_pending(view.pending)
+        v[7] = len(blob)
+        v[_HDR:].view(np.uint8)[:len(blob)] = np.frombuffer(blob, np.uint8)
+        return v
+    if view.mismatch is not None or view.details:
+        first = view.mismatch if view.mismatch is not None else view.details[0][0]
+        v[0] = _ST_MISMATCH if view.mismatch is not None else _ST_DETAILS
+        v[6] = digest(first)
+        have = [(n, g) for n, g in view.details]
+        blob = _pack_details(have, first) if any(n == first for n, _ in have) else b""
+        v[7] = len(blob)
+        if blob:
+            v[_HDR:].view(np.uint8)[:len(blob)] = np.frombuffer(blob, np.uint8)
+        return v
+    v[0] = _ST_IDLE if view.n_active == 0 else _ST_OK
+    v[3] = len(view.ready)
     for j, e in enumerate(view.ready):
         o = _HDR + _PER * j
         v[o] = digest(e.name)
@@ -297,30 +529,88 @@ def _fuse(ready: Sequence[Entry], budget: int) -> list[Entry]:
     return out
 
 
+def _local_name(local: ServerView, key: int) -> str:
+    """The name with digest ``key`` among what this server's ranks submitted ("" if none)."""
+    names = [n for n, _ in local.details] + [e.name for e in local.ready] + [n for n, _ in local.waiting]
+    if local.mismatch is not None:
+        names.insert(0, local.mismatch)
+    return next((n for n in names if digest(n) == key), "")
+
+
+def _decide_mismatch(local: ServerView, views: Sequence[np.ndarray], server_index: int,
+                     any_joined: bool) -> Decision:
+    """A round in which some server flagged a name: one message for every rank, or a request for details."""
+    flagged = [v for v in views if int(v[0]) == _ST_MISMATCH] or [v for v in views if int(v[0]) == _ST_DETAILS]
+    key = int(flagged[0][6])
+    mine = _local_name(local, key)
+    ask = Decision("mismatch", [mine] if mine else [], "", any_joined, key=key)
+    metas: dict[int, Meta] = {}
+    kept: list[int] = []  # servers whose details were too large to send
+    name = ""
+    for s, v in enumerate(views):
+        if int(v[0]) == _ST_IDLE:
+            continue  # every rank of that server has joined: it submits nothing
+        det = _unpack_details(v).get(key) if int(v[0]) in (_ST_MISMATCH, _ST_DETAILS) else None
+        if det is None:
+            return ask  # that server's ranks have not sent this name's metadata (yet)
+        name, groups = det
+        if groups is None:
+            kept.append(s)
+        else:
+            metas.update(_ungroup(groups))
+    if not kept:
+        if len({(m.key(), m.stock_kind) for m in metas.values()}) == 1:
+            # Every rank sent the same metadata (a request outlived its mismatch): nothing to fail.
+            return Decision("forget", [], "", any_joined, key=key)
+        return Decision("mismatch", [mine] if mine else [], mismatch_message(name, metas), any_joined, key=key)
+    where = ", ".join(
+        f"server {s} ({format_ranks(range(int(views[s][8]), int(views[s][8] + views[s][1] + views[s][2])))})"
+        for s in kept)
+    message = (f"{name!r}: the ranks disagree on this collective; the metadata found on {where} is too large to "
+               f"send across servers: the field, values and ranks are in the log of that server's ranks")
+    log = ""
+    if server_index in kept and local.mismatch is not None:
+        det = dict(local.details).get(local.mismatch)
+        if det is not None:
+            log = mismatch_message(local.mismatch, _ungroup(det))
+    return Decision("mismatch", [mine] if mine else [], message, any_joined, key=key, log=log)
+
+
 def decide_global(local: ServerView, summaries: np.ndarray | None, server_index: int, fusion_bytes: int) -> Decision:
     """Combine the servers' views into the round's :class:`Decision` (pure; the same on every rank).
 
     ``summaries`` is the ``[num_servers, SUMMARY_LEN]`` allgather result, or
     None for a single-server job.
+
+    A mismatch takes two rounds: the round that finds it (within a server, or between servers
+    whose ranks agree among themselves) asks every rank for its full metadata of that name; in
+    the next, every server sends its ranks' metadata in its row, so every rank of every server
+    computes the same message from the same metadata, naming the global ranks that sent each value.
     """
     if summaries is None:
         return _decide_single(local, fusion_bytes)
     views = [np.asarray(s) for s in summaries]
     any_joined = any(int(v[2]) > 0 for v in views)
-    for s, v in enumerate(views):
-        if int(v[0]) == _ST_MISMATCH:
-            if s == server_index and local.mismatch is not None:
-                return Decision("mismatch", [local.mismatch[0]], local.mismatch[1], any_joined)
-            # Another server's ranks disagree: this server fails the same name (if it has it).
-            name = next((e.name for e in local.ready if digest(e.name) == int(v[6])), "")
-            return Decision("mismatch", [name] if name else [],
-                            f"Mismatched collectives: the ranks of server {s} disagree on this tensor", any_joined)
+    if any(int(v[0]) == _ST_STUCK for v in views):
+        pending: dict[int, list[tuple[str, str]]] = {}
+        for v in views:
+            st = int(v[0])
+            if st == _ST_IDLE:
+                continue
+            got = _unpack_pending(v) if st == _ST_STUCK else None
+            if st != _ST_STUCK:
+                return Decision("stuck", any_joined=any_joined)  # that server's names next round
+            pending.update(got or {})
+        return Decision("stuck", any_joined=any_joined, stuck=tuple(
+            (r, tuple(n)) for r, n in sorted(pending.items())))
+    if any(int(v[0]) in (_ST_MISMATCH, _ST_DETAILS) for v in views):
+        return _decide_mismatch(local, views, server_index, any_joined)
     active = [(s, v) for s, v in enumerate(views) if int(v[0]) == _ST_OK]
     if not active:
         best = max(((int(v[4]), int(v[5])) for v in views), default=(-1, -1))
         return Decision("done_join", any_joined=True, last_joined=best[1], joined_ranks=local.joined_ranks)
     rows = {s: {r[0]: r for r in _rows(v)} for s, v in active}
-    first_s, first_v = active[0]
+    _, first_v = active[0]
     mine = {digest(e.name): e for e in local.ready}
     ready: list[Entry] = []
     for row in _rows(first_v):
@@ -328,11 +618,9 @@ def decide_global(local: ServerView, summaries: np.ndarray | None, server_index:
         if any(x is None for x in everywhere):
             continue
         if any(x[1] != row[1] for x in everywhere):
+            # The servers disagree, each agreeing within: every rank sends its full metadata next round.
             name = mine[row[0]].name if row[0] in mine else ""
-            bad = next(s for (s, _), x in zip(active, everywhere) if x[1] != row[1])
-            return Decision("mismatch", [name] if name else [],
-                            f"Mismatched collectives for {name!r}: server {first_s} and server {bad} sent "
-                            f"different shapes, types or operations", any_joined)
+            return Decision("mismatch", [name] if name else [], "", any_joined, key=row[0])
         e = mine.get(row[0])
         if e is None:  # a fully joined server: serve what the others run
             e = _entry_from_row(row, f"#{row[0]}")
@@ -349,8 +637,12 @@ def decide_global(local: ServerView, summaries: np.ndarray | None, server_index:
 
 def _decide_single(view: ServerView, fusion_bytes: int) -> Decision:
     any_joined = view.n_joined > 0
+    if view.pending is not None:
+        return Decision("stuck", any_joined=any_joined, stuck=view.pending)
     if view.mismatch is not None:
-        return Decision("mismatch", [view.mismatch[0]], view.mismatch[1], any_joined)
+        det = dict(view.details).get(view.mismatch)
+        message = mismatch_message(view.mismatch, _ungroup(det)) if det is not None else ""
+        return Decision("mismatch", [view.mismatch], message, any_joined, key=digest(view.mismatch))
     if view.n_active == 0:
         return Decision("done_join", any_joined=True, last_joined=view.join_rank, joined_ranks=view.joined_ranks)
     if not view.ready:

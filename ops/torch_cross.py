@@ -17,15 +17,25 @@ import numpy as np
 
 from ..errors import BlinkTimeoutError
 
-__all__ = ["TorchCross", "wait_horovod"]
+__all__ = ["TorchCross", "cross_grace", "wait_horovod"]
+
+
+def cross_grace(timeout: float) -> float:
+    """How much longer than ``BLINK_TIMEOUT_SECONDS`` a cross-server wait lasts (half of it, 2 to 30 s)."""
+    return min(max(0.5 * timeout, 2.0), 30.0)
 
 
 def wait_horovod(poll: Callable[[Any], bool], synchronize: Callable[[Any], Any], handle: Any, timeout: float,
-                 what: str) -> Any:
-    """Poll a stock Horovod handle until done (backing off from 20 us to 1 ms), then synchronize it."""
+                 what: str, interrupt: Callable[[], None] | None = None) -> Any:
+    """Poll a stock Horovod handle until done (backing off from 20 us to 1 ms), then synchronize it.
+
+    ``interrupt()``, called between polls, raises to give up the wait (a server-mate failed: its
+    error, which it learnt from a server this rank's own exchange may never hear from)."""
     deadline = time.monotonic() + timeout
     delay = 2e-5
     while not poll(handle):
+        if interrupt is not None:
+            interrupt()
         if time.monotonic() > deadline:
             raise BlinkTimeoutError(f"{what}: stock Horovod did not complete within {timeout:g} s "
                                     f"(BLINK_TIMEOUT_SECONDS)")
@@ -53,14 +63,17 @@ class TorchCross:
 
         self.stock = stock
         self.sets = dict(process_sets)
-        self.timeout = timeout
+        # A rank that finds a fault within its server tells the other servers only once its own wait
+        # there has timed out; the peers waiting for it here wait that much longer, to hear it.
+        self.timeout = timeout + cross_grace(timeout)
+        self.interrupt: Callable[[], None] | None = None  # raises when a server-mate has failed
         self._ops = {"sum": stock["Sum"], "min": stock["Min"], "max": stock["Max"], "product": stock["Product"]}
 
     def _set(self, ranks: Sequence[int]) -> Any:
         return self.sets[tuple(ranks)]
 
     def _wait(self, handle: Any, what: str) -> Any:
-        return wait_horovod(self.stock["poll"], self.stock["synchronize"], handle, self.timeout, what)
+        return wait_horovod(self.stock["poll"], self.stock["synchronize"], handle, self.timeout, what, self.interrupt)
 
     @staticmethod
     def _tensor(arr: np.ndarray):

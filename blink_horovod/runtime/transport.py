@@ -163,6 +163,9 @@ class Transport(ABC):
 
     rank: int
     nranks: int
+    # Added to the ranks that messages name: in a job of several servers, the server's first global
+    # rank, so that errors and warnings name ranks as Horovod numbers them (set by the Horovod layer).
+    rank_offset: int = 0
 
     def __init__(self, rank: int, nranks: int) -> None:
         self.rank = rank
@@ -336,20 +339,23 @@ class Transport(ABC):
                 self._check_peers(pending, ctx, what)
                 next_check = now + _SLICE
             if now >= ctx.deadline:
+                g = self.rank_offset
                 raise BlinkTimeoutError(
-                    f"{ctx.label}: rank {self.rank} timed out after {ctx.timeout:g} s waiting for rank {peer} "
-                    f"({what}); ranks not arrived: {sorted(pending)}{self._wait_chain(peer)} "
+                    f"{ctx.label}: rank {self.rank + g} timed out after {ctx.timeout:g} s waiting for rank {peer + g} "
+                    f"({what}); ranks not arrived: {sorted(p + g for p in pending)}{self._wait_chain(peer)} "
                     f"(BLINK_TIMEOUT_SECONDS={ctx.timeout:g})"
                 )
             if now >= next_warn:
                 # Name the ranks at the ends of the wait chains, not the peers we
                 # wait on directly: a peer that itself waits is not the one missing.
+                g = self.rank_offset
                 chains = [self._chain(p) for p in sorted(pending)]
-                missing = sorted({c[-1] for c in chains})
+                missing = sorted({c[-1] + g for c in chains})
                 hops = "".join(self._describe_chain(c) for c in chains)
                 log.warning(
                     "%s: rank %d has waited %.0f s for ranks %s (%s)%s. Missing ranks: %s",
-                    ctx.label, self.rank, now - started, sorted(pending), what, hops, ", ".join(map(str, missing)),
+                    ctx.label, self.rank + g, now - started, sorted(p + g for p in pending), what, hops,
+                    ", ".join(map(str, missing)),
                 )
                 next_warn = now + ctx.stall
             self.block(peer, word, seen, max(1e-4, min(_SLICE, ctx.deadline - now, next_warn - now)))
@@ -397,12 +403,12 @@ class Transport(ABC):
             return -1
         return target if self.load(target, word) == seen else -1
 
-    @staticmethod
-    def _describe_chain(chain: Sequence[int]) -> str:
+    def _describe_chain(self, chain: Sequence[int]) -> str:
         if len(chain) == 1:
             return ""
-        hops = "; ".join(f"rank {a} itself waits for rank {b}" for a, b in itertools.pairwise(chain))
-        return f"; {hops}: rank {chain[-1]} is the one stalled"
+        g = self.rank_offset
+        hops = "; ".join(f"rank {a + g} itself waits for rank {b + g}" for a, b in itertools.pairwise(chain))
+        return f"; {hops}: rank {chain[-1] + g} is the one stalled"
 
     def check_peers(self, ctx: WaitContext) -> None:
         """Raise now if a peer has failed (called between collectives too)."""
@@ -419,15 +425,17 @@ class Transport(ABC):
                 if cls in (MismatchError, BlinkTimeoutError):
                     # The same failure everywhere: re-raise it under its own class.
                     raise cls(reason)
-                raise BlinkInternalError(f"{ctx.label}: rank {r} failed: {reason}")
+                raise BlinkInternalError(f"{ctx.label}: rank {r + self.rank_offset} failed: {reason}")
         for r in pending:
             state = self.load(r, W_STATE)
             if state == STATE_CLOSED:
                 raise BlinkInternalError(
-                    f"{ctx.label}: rank {r} closed its communicator while rank {self.rank} waits for it ({what}); "
+                    f"{ctx.label}: rank {r + self.rank_offset} closed its communicator while rank "
+                    f"{self.rank + self.rank_offset} waits for it ({what}); "
                     "ranks must issue the same collectives in the same order"
                 )
             if not self.peer_alive(r):
                 raise BlinkInternalError(
-                    f"{ctx.label}: rank {r} (pid {self.peer_pid(r)}) died; rank {self.rank} was waiting for it ({what})"
+                    f"{ctx.label}: rank {r + self.rank_offset} (pid {self.peer_pid(r)}) died; rank "
+                    f"{self.rank + self.rank_offset} was waiting for it ({what})"
                 )

@@ -173,8 +173,25 @@ def test_mismatched_shapes_raise_on_every_rank(cfg) -> None:
         return str(info.value), ok
 
     for msg, ok in run_job(cfg, 2, 2, body):
-        assert "Mismatched" in msg
+        assert msg.startswith("allreduce") and "shape differs: rank 2 sent [18], ranks 0, 1, 3 sent [17]" in msg, msg
         np.testing.assert_array_equal(ok, np.full(3, 4.0, dtype=np.float32))
+
+
+@pytest.mark.parametrize("servers,local,odd", [(2, 2, {0}), (2, 2, {2, 3}), (4, 1, {3}), (1, 4, {1})])
+def test_every_rank_of_every_server_names_field_values_and_ranks(cfg, servers, local, odd) -> None:
+    def body(rank, engine):
+        with pytest.raises(MismatchError) as info:
+            allreduce(engine, np.zeros(8, dtype=np.float64 if rank in odd else np.float32))
+        return str(info.value)
+
+    rest = [r for r in range(4) if r not in odd]
+    def fmt(rs):
+        return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+    groups = sorted([(sorted(odd), "float64"), (rest, "float32")], key=lambda g: (len(g[0]), g[0][0]))
+    expected = "dtype differs: " + ", ".join(f"{fmt(rs)} sent {v}" for rs, v in groups)
+    msgs = run_job(cfg, servers, local, body)
+    assert len(set(msgs)) == 1 and expected in msgs[0], msgs
 
 
 def test_mismatch_is_also_horovods_error_class(cfg) -> None:

@@ -147,16 +147,73 @@ def test_mismatch_needs_a_metadata_round_then_names_ranks_and_field() -> None:
     second = decide_global(decide_server([prop(0, ("x", m0), metas=(("x", m0),)),
                                           prop(1, ("x", m1), metas=(("x", m1),))]), None, 0, 1 << 20)
     assert second.action == "mismatch"
-    assert "tensor shapes" in second.message and "rank 0" in second.message and "rank 1" in second.message
+    assert second.message == "allreduce 'x': shape differs: rank 0 sent [17, 17], rank 1 sent [18, 18]"
 
 
-def test_mismatch_messages_name_the_field() -> None:
-    from blink_horovod.ops.negotiation import mismatch_message
+def test_mismatch_messages_name_the_field_values_and_ranks() -> None:
+    from blink_horovod.ops.negotiation import Meta, format_ranks, mismatch_message
 
-    assert "data types" in mismatch_message("t", {0: meta(dtype="int32"), 1: meta()})
-    assert "root ranks" in mismatch_message("t", {0: meta(kind="broadcast", root=0),
-                                                  1: meta(kind="broadcast", root=1)})
-    assert "reduction operations" in mismatch_message("t", {0: meta(op="sum"), 1: meta(op="max")})
+    assert mismatch_message("t", {0: meta(), 1: meta(dtype="int32"), 2: meta(), 3: meta()}) == \
+        "allreduce 't': dtype differs: rank 1 sent int32, ranks 0, 2, 3 sent float32"
+    assert mismatch_message("t", {0: meta(kind="broadcast", root=0), 1: meta(kind="broadcast", root=1)}) == \
+        "broadcast 't': root differs: rank 0 sent 0, rank 1 sent 1"
+    assert "op differs: rank 3 sent max, ranks 0, 1, 2 sent sum" in mismatch_message(
+        "t", {r: meta(op="max" if r == 3 else "sum") for r in range(4)})
+    assert "collective differs: rank 0 sent broadcast, ranks 1, 2 sent allreduce" in mismatch_message(
+        "t", {0: meta(kind="broadcast", root=0), 1: meta(), 2: meta()})
+    scaled = Meta("allreduce", None, ("float32",), ((4,),), prescale=0.5)
+    assert "prescale differs: rank 0 sent 1.0, rank 1 sent 0.5" in mismatch_message("t", {0: meta(), 1: scaled})
+    assert format_ranks([7, 0, 1, 2, 3, 5]) == "ranks 0-3, 5, 7"
+
+
+def server_round(ranks, name, metas, asked):
+    """One server's view of a round in which ``ranks`` submitted ``name`` with ``metas[rank]``."""
+    return decide_server([prop(r, (name, metas[r]), metas=((name, metas[r]),) if asked else ()) for r in ranks])
+
+
+@pytest.mark.parametrize("odd", [0, 1, 2, 3])
+@pytest.mark.parametrize("servers,local", [(2, 2), (4, 1)])
+def test_a_mismatch_on_one_server_reaches_every_server_with_the_details(servers, local, odd) -> None:
+    metas = {r: meta((4097,) if r == odd else (4096,)) for r in range(servers * local)}
+    groups = [list(range(s * local, (s + 1) * local)) for s in range(servers)]
+    others = ", ".join(str(r) for r in range(4) if r != odd)
+    expected = f"allreduce 'g': shape differs: rank {odd} sent [4097], ranks {others} sent [4096]"
+    for asked in (False, True):
+        views = [server_round(g, "g", metas, asked) for g in groups]
+        rows = np.stack([encode_summary(v) for v in views])
+        decisions = [decide_global(v, rows, s, 1 << 20) for s, v in enumerate(views)]
+        assert all(d.action == "mismatch" and d.names == ["g"] for d in decisions), decisions
+        assert {d.message for d in decisions} == ({""} if not asked else {expected})
+
+
+def test_servers_that_disagree_between_them_name_every_rank() -> None:
+    metas = {r: meta(op="average" if r >= 2 else "sum") for r in range(4)}
+    for asked in (False, True):
+        views = [server_round([0, 1], "g", metas, asked), server_round([2, 3], "g", metas, asked)]
+        rows = np.stack([encode_summary(v) for v in views])
+        msgs = {decide_global(v, rows, s, 1 << 20).message for s, v in enumerate(views)}
+        expected = "allreduce 'g': op differs: ranks 0, 1 sent sum, ranks 2, 3 sent average"
+        assert msgs == ({""} if not asked else {expected})
+
+
+def test_a_server_that_has_not_submitted_the_name_yet_is_waited_for() -> None:
+    metas = {r: meta((5,) if r == 1 else (4,)) for r in range(4)}
+    a = server_round([0, 1], "g", metas, True)
+    b = decide_server([prop(2, ("other", meta())), prop(3, ("other", meta()))])  # "g" not submitted yet
+    rows = np.stack([encode_summary(a), encode_summary(b)])
+    d = decide_global(b, rows, 1, 1 << 20)
+    assert d.action == "mismatch" and d.names == [] and d.message == "" and d.key != 0
+
+
+def test_details_too_large_to_cross_servers_point_to_the_servers_log() -> None:
+    rng = np.random.default_rng(0)
+    shapes = [tuple((int(n),) for n in rng.integers(1, 1 << 30, 1000)) for _ in range(2)]  # incompressible
+    big = {r: Meta("allreduce", None, ("float32",) * 1000, shapes[r == 1]) for r in range(4)}
+    views = [server_round([0, 1], "g", big, True), server_round([2, 3], "g", big, True)]
+    rows = np.stack([encode_summary(v) for v in views])
+    d0, d1 = (decide_global(v, rows, s, 1 << 20) for s, v in enumerate(views))
+    assert d0.message == d1.message and "server 0 (ranks 0, 1)" in d0.message and "log" in d0.message
+    assert "shape differs" in d0.log and d1.log == ""
 
 
 def test_join_rounds() -> None:
@@ -175,7 +232,7 @@ def test_cross_server_summaries() -> None:
     assert d.action == "run" and d.names == ["h"]
     c = decide_server([prop(2, ("h", meta((7,)))), prop(3, ("h", meta((7,))))])
     bad = decide_global(a, np.stack([encode_summary(a), encode_summary(c)]), 0, 1 << 20)
-    assert bad.action == "mismatch" and bad.names == ["h"] and "server 1" in bad.message
+    assert bad.action == "mismatch" and bad.names == ["h"] and bad.message == ""  # details next round
     # a fully joined server learns what to serve from the summary alone
     joined = decide_server([prop(2, joined=True, join_round=0), prop(3, joined=True, join_round=0)])
     d = decide_global(joined, np.stack([encode_summary(a), encode_summary(joined)]), 1, 1 << 20)
@@ -208,3 +265,46 @@ def test_errors_keep_their_blink_class_and_become_horovods() -> None:
     except ImportError:
         return
     assert isinstance(e, HorovodInternalError) and isinstance(t, HorovodInternalError)
+
+
+def test_a_stuck_round_names_what_each_rank_submitted_instead() -> None:
+    from blink_horovod.ops.negotiation import stuck_message
+
+    def p(rank, name, overdue):
+        return Proposal(rank, (meta().entry(name),), overdue=overdue)
+
+    # one server: the round that finds a rank overdue has every rank's names
+    d = decide_global(decide_server([p(0, "grad.w", True), p(1, "grad.b", False), p(2, "grad.w", False)]),
+                      None, 0, 1 << 20)
+    assert d.action == "stuck" and stuck_message(dict(d.stuck), 10)[0].startswith(
+        "allreduce 'grad.w': name differs: rank 1 sent 'grad.b', ranks 0, 2 sent 'grad.w' (no collective")
+    # two servers: the first round asks the other server for its names, the next has them all
+    names = {0: "grad.w", 1: "grad.b", 2: "grad.w", 3: "grad.w"}
+    for asked in (False, True):
+        views = [decide_server([p(r, names[r], asked or r == 0) for r in rs]) for rs in ([0, 1], [2, 3])]
+        rows = np.stack([encode_summary(v) for v in views])
+        ds = [decide_global(v, rows, s, 1 << 20) for s, v in enumerate(views)]
+        assert all(d.action == "stuck" for d in ds)
+        msgs = {stuck_message(dict(d.stuck), 10) for d in ds}
+        if not asked:
+            assert all(not d.stuck for d in ds)
+        else:
+            expected = ("allreduce 'grad.w': name differs: rank 1 sent 'grad.b', ranks 0, 2, 3 sent 'grad.w' "
+                        "(no collective was submitted by every rank within 10 s, BLINK_TIMEOUT_SECONDS)")
+            assert msgs == {(expected, True)}
+
+
+def test_a_request_for_metadata_that_agrees_is_forgotten() -> None:
+    metas = {r: meta() for r in range(4)}
+    views = [server_round([0, 1], "g", metas, True), server_round([2, 3], "g", metas, True)]
+    rows = np.stack([encode_summary(v) for v in views])
+    assert {decide_global(v, rows, s, 1 << 20).action for s, v in enumerate(views)} == {"forget"}
+
+
+def test_a_rank_past_the_timeout_ends_a_mismatch_a_server_cannot_detail() -> None:
+    # server 0 disagrees on "g"; server 1 never submitted it and its rank 2 is past the timeout
+    metas = {0: meta((4,)), 1: meta((5,))}
+    a = server_round([0, 1], "g", metas, True)
+    b = decide_server([Proposal(2, (meta().entry("h"),), overdue=True), Proposal(3, (meta().entry("h"),))])
+    rows = np.stack([encode_summary(a), encode_summary(b)])
+    assert {decide_global(v, rows, s, 1 << 20).action for s, v in enumerate([a, b])} == {"stuck"}

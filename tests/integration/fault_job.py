@@ -1,0 +1,66 @@
+"""One rank (or server) submits a collective that differs from the others' (a Horovod torch script).
+
+Run under ``horovodrun`` / ``blinkrun`` with ``BLINK_ENABLE=1`` by the cross-server fault
+tests and ``benchmarks/cross_server_faults.py``.  ``FAULT_JOB`` (JSON) says what differs:
+``field`` (shape, dtype, op, root, prescale, postscale, collective, name; or stall, dead:
+the odd ranks sleep, or SIGKILL themselves, instead of submitting) and ``odd`` (the global
+ranks that submit the odd value).  Every rank prints one line
+``@@reliability {"kind": "error", "rank": r, "type": ..., "message": ..., "seconds": ...}``
+with the error it caught (or ``"kind": "no-error"``), then exits 1 on an error.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import horovod.torch as hvd
+import torch
+
+if JOB_FIELD_DEAD := json.loads(os.environ["FAULT_JOB"])["field"] == "dead":
+    # horovodrun ends the job as soon as a rank dies; a host lost for good, where nobody would, is
+    # what this stands for: the survivors wait out its SIGTERM grace (5 s) and report first.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+hvd.init()
+RANK = hvd.rank()
+JOB = json.loads(os.environ["FAULT_JOB"])
+FIELD, ODD = JOB["field"], RANK in JOB["odd"]
+NAME = "mismatch"
+
+
+def emit(kind, **fields):
+    line = dict(kind=kind, rank=RANK, pid=os.getpid(), t=time.time(), **fields)
+    print("@@reliability " + json.dumps(line), flush=True)
+
+
+def collective():
+    x = torch.ones(4097 if FIELD == "shape" and ODD else 4096,
+                   dtype=torch.float64 if FIELD == "dtype" and ODD else torch.float32)
+    if FIELD == "root":
+        return hvd.broadcast(x, root_rank=1 if ODD else 0, name=NAME)
+    if FIELD == "collective" and ODD:
+        return hvd.broadcast(x, root_rank=0, name=NAME)
+    if FIELD == "op":
+        return hvd.allreduce(x, op=hvd.Average if ODD else hvd.Sum, name=NAME)
+    if FIELD in ("prescale", "postscale"):
+        return hvd.allreduce(x, op=hvd.Sum, name=NAME, **{f"{FIELD}_factor": 0.5 if ODD else 1.0})
+    if FIELD == "name":
+        return hvd.allreduce(x, op=hvd.Sum, name="grad.b" if ODD else "grad.w")
+    return hvd.allreduce(x, op=hvd.Sum, name=NAME)
+
+
+hvd.allreduce(torch.ones(16), name="warm-up")
+start = time.time()
+if FIELD == "stall" and ODD:
+    time.sleep(JOB.get("sleep", 60))  # a rank stuck in its own code: it submits nothing meanwhile
+elif FIELD == "dead" and ODD:
+    os.kill(os.getpid(), 9)
+try:
+    collective()
+    emit("no-error")
+except Exception as exc:  # noqa: BLE001 - whatever it is, every rank reports it
+    emit("error", type=type(exc).__name__, mro=[c.__name__ for c in type(exc).__mro__], message=str(exc),
+         seconds=time.time() - start)
+    sys.exit(1)
