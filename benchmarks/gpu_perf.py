@@ -11,7 +11,7 @@ calling thread during the call: host *work*, blocked time excluded), ``launch_us
 the launch part, slot waits excluded) and ``copy_GBps`` (the device's own
 device-to-device copy rate at that size, measured in the same run by rank 0,
 read + write counted as nccl-tests' bandwidths are not: algbw counts bytes
-once).  ``--json`` follows ../shared/spec/FORMATS.md's ``blink perf`` rows
+once).  ``--json`` follows docs/formats.md's ``blink perf`` rows
 with extra fields.  Exit status 1 if any ``#wrong`` > 0.
 
 Until ``blink perf --device cuda`` is wired to the GPU executor this script is

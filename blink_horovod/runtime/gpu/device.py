@@ -4,7 +4,7 @@ Everything goes through CuPy's thin runtime bindings (``cupy.cuda.runtime``:
 raw pointers and handles as ints) and, for the stream memory operations CuPy
 does not wrap, cuda-bindings' driver API (``cuStreamWriteValue32``,
 ``cuStreamWaitValue32``).  Both were seen working on the H200 machine
-(../shared/reference/gpu-machine-facts.md): IPC between processes of one
+(docs/gpu-runtime.md): IPC between processes of one
 device, and ``cuStreamWriteValue32`` captured in a graph and replayed.
 
 Imported only by the executor; importing it needs CuPy, calling it a GPU.

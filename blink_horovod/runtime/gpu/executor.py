@@ -9,7 +9,7 @@ program's chunks move over per-link streams and are reduced on the receiving
 GPU; here the whole program of a (piece, dtype, op) is captured once per epoch
 residue as a CUDA graph (:mod:`.lowering`, :mod:`.graph`), so a collective
 costs the metadata check plus one ``cudaGraphLaunch`` per piece, whatever the
-number of chunks and trees (../shared/DESIGN.md, "No per-chunk host work on
+number of chunks and trees (no per-chunk host work on
 GPUs").
 
 Memory: one ``cudaMalloc`` per rank holds its flag words and its data

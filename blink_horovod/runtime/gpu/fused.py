@@ -1,7 +1,7 @@
 """A rank's whole program as one generated kernel: host work per collective is one 3-node graph launch.
 
 Blink (MLSys 2020, section 4) generates CUDA code for its schedules; this is
-that option of issue 4 ("captured once as a CUDA graph, or generated as one
+that option of the design ("captured once as a CUDA graph, or generated as one
 kernel").  A graph of the lowered commands (:mod:`.graph`) costs host time per
 node at launch (measured on the H200: ~3.6 us per memory-operation node,
 ~0.15 us per kernel node), so its launch grows with chunks and trees.  Here
@@ -172,7 +172,7 @@ def decode(table: np.ndarray) -> list[list[tuple]]:
 
 
 # Blocks per group: few where latency rules (a group barrier's cost grows with its blocks), more where
-# bandwidth does.  Measured on the H200, 2 ranks under MPS (benchmarks/results/h200-2026-12-02-s12, call6/7):
+# bandwidth does.  Measured on the H200, 2 ranks under MPS (2026-12-02):
 # cap 16 -> 64 raised busbw at 1 GB from 87.6 to 139.5 GB/s (64 MB: 61 -> 75) and doubled the latency of
 # 8 B .. 32 KiB (~250 -> ~450-600 us); at 4 ranks residency bounds B below 16 anyway.
 SMALL_CAP, LARGE_CAP = 16, 64

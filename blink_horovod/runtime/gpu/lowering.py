@@ -7,7 +7,7 @@ for every rank, so the lowering is tested on machines without GPUs.
 
 Why the shape is what it is (Blink, MLSys 2020, section 4: chunks pipelined
 over spanning trees, one stream per link, reductions on the receiving GPU;
-../shared/DESIGN.md, "No per-chunk host work on GPUs"):
+no per-chunk host work on GPUs):
 
 Streams
     Stream 0 is the *origin* (the capture's origin stream, the collective's
