@@ -10,7 +10,7 @@ GPU; here the whole program of a (piece, dtype, op) is captured once per epoch
 residue as a CUDA graph (:mod:`.lowering`, :mod:`.graph`), so a collective
 costs the metadata check plus one ``cudaGraphLaunch`` per piece, whatever the
 number of chunks and trees (no per-chunk host work on
-GPUs").
+GPUs).
 
 Memory: one ``cudaMalloc`` per rank holds its flag words and its data
 buffer; its IPC handle travels to the peers in the control transport's
