@@ -48,6 +48,12 @@ probe() {  # probe NAME RANKS TOPOLOGY
 }
 want probe2 && probe probe2 2 hgx-h200:0,1
 want probe8 && probe probe8 8 hgx-h200
+if want tests; then
+    log "start tests"
+    timeout -k 5 ${TESTS_LIMIT:-420} python3 -m pytest tests/parallel/test_gpu_collectives.py -q -p no:cacheprovider \
+        --timeout=400 -o addopts="" ${TESTS_K:+-k "$TESTS_K"} >"$OUT/tests.log" 2>&1
+    log "rc=$? tests"
+fi
 want ops && perf ops 4 hgx-h200:0,1,2,3 120 -d all -o all -b 4 -e 4M -f 32 -n 2 -w 1 -c 1
 want bcast && perf bcast 4 hgx-h200:0,1,2,3 120 --collective broadcast -r 1 -d float,bfloat16 $SIZES $ITERS -c 1
 python3 benchmarks/gpu_summary.py "$OUT" >"$OUT/summary.md" 2>&1

@@ -177,6 +177,30 @@ def _disconnected(net: Network) -> str:
     return " | ".join("{" + ", ".join(map(str, p)) + "}" for p in parts)
 
 
+def _stars(plan: Plan, topology: Topology, packed: list[ChannelPlan], collective: str) -> tuple[Plan, float] | None:
+    """The one-hop allreduce plan on a switch (every GPU roots a star over its own 1/n), when it reaches
+    the packing's rate: n trees, the fewest a multi-root allreduce has, each one hop deep, which is the
+    two-shot allreduce of vLLM and PyTorch's SymmetricMemory (and a GPU executor writes no partial sums
+    on the way up)."""
+    n = len(plan.gpus)
+    if collective != "allreduce" or not topology.switches or n < 2 or len(plan.trees) <= n:
+        return None
+    if len(packed) != 1 or packed[0].channel != "nvlink":
+        return None
+    trees = tuple(Tree(g, 1.0 / n, tuple((g, c) for c in plan.gpus if c != g)) for g in plan.gpus)
+    star = Plan(plan.collective, plan.topology, plan.gpus, plan.root, trees, 0.0, plan.optimum_gbps,
+                plan.nvlink_optimum_gbps, plan.channels, plan.extras)
+    try:
+        validate_plan(star, topology)
+    except PlanError:
+        return None
+    rate = predicted_rate(star, topology)
+    if rate < plan.optimum_gbps * (1 - 1e-9):
+        return None
+    plan.extras["one_hop"] = True
+    return star, rate
+
+
 def make_plan(
     topology: Topology,
     collective: str,
@@ -279,6 +303,9 @@ def make_plan(
     )
     validate_plan(plan, topology)
     rate = predicted_rate(plan, topology)
+    stars = _stars(plan, topology, packed, collective)
+    if stars is not None:
+        plan, rate = stars
     extras.update(
         {
             "optimum_upper_bound_gbps": _tidy(math.fsum(cp.upper_bound for cp in packed)),

@@ -61,15 +61,26 @@ def segment_bounds(count: int, n: int, i: int) -> tuple[int, int]:
     return i * count // n, (i + 1) * count // n
 
 
-def _default_planner(cfg: Config) -> Planner:
+def _default_planner(cfg: Config, device: str = "cpu") -> Planner:
     def plan(topology: Topology, collective: str, root: int | None) -> Plan:
         from ..planner.cache import (
             cached_plan,  # lazy: planning needs scipy/HiGHS only on a miss
         )
 
-        return cached_plan(topology, collective, root, None, cfg.plan_cache)
+        return cached_plan(topology, collective, root, _channels(topology, collective, device), cfg.plan_cache)
 
     return plan
+
+
+def _channels(topology: Topology, collective: str, device: str) -> tuple[str, ...] | None:
+    """The channels to plan on: all (None) on CPU; NVLink alone on GPUs where it connects every GPU, because
+    the GPU executor reaches peers through their IPC mappings, which ride NVLink there: a PCIe share
+    (Blink's hybrid, section 3.4) would be bandwidth planned but not used."""
+    if device != "cuda" or topology.pcie is None:
+        return None
+    from ..planner.network import channel_network
+
+    return ("nvlink",) if channel_network(topology, collective, "nvlink").connected() else None
 
 
 def fully_connected(topology: Topology) -> bool:
@@ -162,7 +173,7 @@ class Communicator:
         if self.topology.n != local_size:
             raise ConfigError(f"topology: {self.topology.name!r} has {self.topology.n} GPUs, the server {local_size} ranks")
         self.rendezvous = rendezvous
-        self._planner = planner or _default_planner(self.config)
+        self._planner = planner or _default_planner(self.config, device)
         self._topology_hash = self.topology.content_hash()[:16]
         # Small messages take one round (Executor.eager_collective) where every
         # rank has a direct link to every other: one-hop trees.

@@ -1,8 +1,8 @@
-"""One rank of a GPU runtime test, started as a subprocess by tests/parallel/test_gpu_*.py (no tests here).
+"""One rank of a GPU runtime test, started as a subprocess by tests/parallel/test_gpu_collectives.py.
 
 ``python gpu_rank.py DIR RANK NRANKS SCENARIO [ARGS...]``: joins the server
-through a :class:`FileRendezvous` in DIR, drives the real
-:class:`~blink_horovod.runtime.gpu.executor.GpuExecutor` on CUDA device
+through a :class:`FileRendezvous` in DIR, drives a real
+``Communicator(device="cuda")`` on torch CUDA tensors of device
 ``RANK % devices`` (all ranks share one GPU on a one-GPU machine), runs
 SCENARIO and prints one JSON line; an error prints ``{"error": class,
 "message": ...}`` and exits 3.
@@ -10,7 +10,6 @@ SCENARIO and prints one JSON line; an error prints ``{"error": class,
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -19,20 +18,18 @@ import traceback
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))
-
 from blink_horovod.planner.plan import Plan, Tree
+from blink_horovod.runtime.communicator import Communicator
 from blink_horovod.runtime.dtypes import (
     OPS,
     bf16_to_f32,
     f32_to_bf16,
     numpy_dtype,
 )
-from blink_horovod.runtime.gpu.harness import GpuServer
 from blink_horovod.runtime.rendezvous import FileRendezvous
+from blink_horovod.topology import machines
 
-GPU_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+GPU_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "int8", "uint8", "int16")
 
 
 def hand_plans(n: int):
@@ -46,7 +43,7 @@ def hand_plans(n: int):
     def star(root: int) -> tuple[tuple[int, int], ...]:
         return tuple((root, g) for g in range(n) if g != root)
 
-    def planner(collective: str, root: int | None) -> Plan:
+    def planner(topology, collective: str, root: int | None) -> Plan:
         if collective == "allreduce":
             trees = []
             for r in range(n):
@@ -86,20 +83,31 @@ def expected(n: int, count: int, dtype: str, op: str, seed: int = 0) -> np.ndarr
     return {"min": np.minimum, "max": np.maximum, "product": np.multiply}[op].reduce(xs)
 
 
-def device(x: np.ndarray):
-    import cupy
+def device(x: np.ndarray, dtype: str):
+    import torch
 
-    return cupy.asarray(x)
+    if dtype == "bfloat16":
+        t = torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(x).cuda()
+    torch.cuda.synchronize()
+    return t
+
+
+def host(t, dtype: str) -> np.ndarray:
+    import torch
+
+    if dtype == "bfloat16":
+        return t.view(torch.int16).cpu().numpy().view(np.uint16)
+    return t.cpu().numpy()
 
 
 def wrong(d, want: np.ndarray, dtype: str) -> int:
-    import cupy
-
-    return int(np.count_nonzero(as_f64(cupy.asnumpy(d), dtype) != want))
+    return int(np.count_nonzero(as_f64(host(d, dtype), dtype) != want))
 
 
-def scenario(name: str, rank: int, n: int, srv: GpuServer, args: list[str]) -> dict:
-    import cupy
+def scenario(name: str, rank: int, n: int, comm: Communicator, args: list[str]) -> dict:
+    import torch
 
     out: dict = {"rank": rank}
     if name == "dtypes":
@@ -108,39 +116,24 @@ def scenario(name: str, rank: int, n: int, srv: GpuServer, args: list[str]) -> d
         for dt in GPU_DTYPES:
             for op in OPS:
                 for count in counts:
-                    x = device(host_values(rank, count, dt, op))
-                    srv.allreduce(x, count, dt, op, name=f"{dt}.{op}.{count}")
-                    srv.synchronize()
+                    x = device(host_values(rank, count, dt, op), dt)
+                    comm.allreduce(x, op, name=f"{dt}.{op}.{count}")
+                    comm.synchronize()
                     w = wrong(x, expected(n, count, dt, op), dt)
                     if w:
                         bad[f"allreduce {dt} {op} {count}"] = w
             for count in counts:
                 for root in range(n):
-                    x = device(host_values(rank, count, dt, "sum", seed=5))
-                    srv.broadcast(x, count, dt, root, name=f"b{root}")
-                    srv.synchronize()
+                    x = device(host_values(rank, count, dt, "sum", seed=5), dt)
+                    comm.broadcast(x, root, name=f"b{root}")
+                    comm.synchronize()
                     w = wrong(x, as_f64(host_values(root, count, dt, "sum", seed=5), dt), dt)
                     if w:
                         bad[f"broadcast {dt} root {root} {count}"] = w
-                x = device(host_values(rank, count, dt, "sum", seed=6))
-                lo, hi = srv.reduce_to_roots(x, count, dt, "sum", name="r1")
-                srv.synchronize()
-                got = as_f64(cupy.asnumpy(x), dt)
-                want = as_f64(host_values(rank, count, dt, "sum", seed=6), dt)
-                want[lo:hi] = expected(n, count, dt, "sum", seed=6)[lo:hi]
-                if np.count_nonzero(got != want):
-                    bad[f"reduce_to_roots {dt} {count}"] = int(np.count_nonzero(got != want))
-                # stage 3 on the stage-1 result: everyone ends with the full reduction
-                srv.broadcast_from_roots(x, count, dt, name="r3")
-                srv.synchronize()
-                w = wrong(x, expected(n, count, dt, "sum", seed=6), dt)
-                if w:
-                    bad[f"broadcast_from_roots {dt} {count}"] = w
         out["wrong"] = bad
-        out["captures"] = srv.ex.captures
         return out
     if name == "loop":
-        # Back-to-back collectives of mixed sizes and dtypes, no host sync in between.
+        # Back-to-back collectives of mixed sizes, dtypes and streams, no host sync in between.
         iters = int(args[0])
         rng = np.random.default_rng(7)
         keep = []
@@ -148,111 +141,68 @@ def scenario(name: str, rank: int, n: int, srv: GpuServer, args: list[str]) -> d
             count = int(rng.integers(1, 300_000))
             dt = GPU_DTYPES[int(rng.integers(0, len(GPU_DTYPES)))]
             op = OPS[int(rng.integers(0, len(OPS)))]
-            x = device(host_values(rank, count, dt, op, seed=i))
-            stream = None
-            if i % 3 == 0:  # another stream: it must first see the upload made on CuPy's current stream
-                stream = cupy.cuda.Stream(non_blocking=True)
-                stream.wait_event(cupy.cuda.get_current_stream().record())
-            srv.allreduce(x, count, dt, op, stream=stream, name=f"loop{i}")
+            x = device(host_values(rank, count, dt, op, seed=i), dt)
+            if i % 3 == 0:  # another stream: it must first see the upload made on the current one
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    comm.allreduce(x, op, name=f"loop{i}")
+                torch.cuda.current_stream().wait_stream(stream)
+            else:
+                comm.allreduce(x, op, name=f"loop{i}")
             keep.append((x, count, dt, op, i))
-        srv.synchronize()
-        bad = 0
-        for x, count, dt, op, i in keep:
-            bad += wrong(x, expected(n, count, dt, op, seed=i), dt)
-        out["wrong"] = bad
+        comm.synchronize()
+        torch.cuda.synchronize()
+        out["wrong"] = sum(wrong(x, expected(n, count, dt, op, seed=i), dt) for x, count, dt, op, i in keep)
         return out
     if name == "hosttime":
-        # Host time of a collective vs the number of chunks per tree (acceptance: <= 20 us, 1..256).
-        # Optional: CHUNKS ("1,4,16") and MODE: "back" (back to back, the acceptance) or "idle" (the
-        # device drained before each timed call: host time on an idle GPU, for diagnosis);
-        # BLINK_TEST_SPIN_S overrides how long the executor's waits spin.
+        # Host time of a repeated collective at sizes of 1 to 256 items per tree (acceptance: <= 20 us).
         reps = int(args[0]) if args else 200
-        counts = tuple(int(c) for c in args[1].split(",")) if len(args) > 1 else (1, 4, 16, 64, 256)
-        mode = args[2] if len(args) > 2 else "back"
-        idle = mode == "idle" or mode.startswith("spin")
-        # "spinMS": the device drained, then the host spins MS milliseconds (as the executor's waits do)
-        # before each timed call: host time after a long host wait, with no device work pending.
-        spin_s = float(mode[4:]) * 1e-3 if mode.startswith("spin") else 0.0
-        if os.environ.get("BLINK_TEST_BIND") == "1":
-            # Diagnosis: each rank on its own physical core (first hardware thread of the rank-th core).
-            from pathlib import Path
-
-            cores = sorted({Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
-                            for c in os.sched_getaffinity(0)}, key=lambda x: int(x.replace("-", ",").split(",")[0]))
-            first = int(cores[srv.rank % len(cores)].replace("-", ",").split(",")[0])
-            os.sched_setaffinity(0, {first})
-        if os.environ.get("BLINK_TEST_SPIN_S"):
-            srv.ex._spin_s = float(os.environ["BLINK_TEST_SPIN_S"])
+        ex = comm._executor
         res = []
-        for chunks in counts:
-            count = 64 * 1024 * n  # 256 KiB float32 per rank
-            ntrees = 2 * n
-            srv.chunk_bytes = max(4, (count // ntrees // chunks) * 4)
-            x = cupy.zeros(count, cupy.float32)
+        for elems in (64, 16 << 10, 256 << 10, 4 << 20, 64 << 20):
+            x = torch.zeros(elems * n, dtype=torch.float32, device="cuda")
             for _ in range(5):
-                srv.allreduce(x, count, "float32", "sum", name=f"h{chunks}")
-            srv.synchronize()
-            row: dict = {"chunks_per_tree": chunks}
-            for gc_on in (True, False):
-                # Host time: wall time of the call less the time it sat blocked on the device (argument
-                # slot of three collectives ago), and the calling thread's CPU time.
-                meta, launch, total, cpu, api, waited = [], [], [], [], [], []
-                if not gc_on:
-                    gc.disable()
-                for _ in range(reps):
-                    if idle:
-                        srv.synchronize()
-                        end = time.monotonic() + spin_s
-                        while time.monotonic() < end:
-                            pass
-                    c0 = time.thread_time()  # a system call: outside the wall-time window
-                    t0 = time.perf_counter()
-                    srv.allreduce(x, count, "float32", "sum", name=f"h{chunks}")
-                    t1 = time.perf_counter()
-                    total.append(t1 - t0 - srv.ex.last_wait_seconds)
-                    cpu.append(time.thread_time() - c0)
-                    meta.append(srv.ex.last_meta_seconds)
-                    launch.append(srv.ex.last_launch_seconds)
-                    api.append(srv.ex.last_api_seconds)
-                    waited.append(srv.ex.last_wait_seconds)
-                gc.enable()
-                srv.synchronize()
-                sfx = "" if gc_on else "_nogc"
-                row |= {f"launch_us{sfx}": 1e6 * float(np.median(launch)), f"meta_us{sfx}": 1e6 * float(np.median(meta)),
-                        f"total_us{sfx}": 1e6 * float(np.median(total)), f"cpu_us{sfx}": 1e6 * float(np.median(cpu)),
-                        f"api_us{sfx}": 1e6 * float(np.median(api)), f"waited_us{sfx}": 1e6 * float(np.median(waited))}
-            prog = next(iter(p for k, p in srv.programs.items() if k[1] == count and k[2] == srv.chunk_bytes // 4))
-            row["ops"] = prog.num_ops()
-            res.append(row)
+                comm.allreduce(x, name=f"h{elems}")
+            comm.synchronize()
+            total, meta, launch = [], [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                comm.allreduce(x, name=f"h{elems}")
+                total.append(time.perf_counter() - t0)
+                meta.append(ex.last_meta_seconds)
+                launch.append(ex.last_launch_seconds)
+            comm.synchronize()
+            items = max((int(r.nitems) for r in [w for w, _, _ in ex._tables.values()]), default=0)
+            res.append({"elements": elems * n, "items": items, "total_us": 1e6 * float(np.median(total)),
+                        "meta_us": 1e6 * float(np.median(meta)), "launch_us": 1e6 * float(np.median(launch))})
         out["hosttime"] = res
         return out
     if name == "mismatch":
-        # Rank 1 names its third collective differently; both names were seen before, so no host
-        # exchange runs: a fused program must find it on the device and every rank raise MismatchError.
+        # Rank 1 names its third collective differently: every rank must raise MismatchError naming it.
         count = 4096
-        x = device(host_values(rank, count, "float32", "sum"))
+        x = device(host_values(rank, count, "float32", "sum"), "float32")
 
         def body() -> None:
-            srv.allreduce(x, count, "float32", "sum", name="a")
-            srv.allreduce(x, count, "float32", "sum", name="b")
-            srv.allreduce(x, count, "float32", "sum", name="b" if rank == 1 else "a")
-            srv.synchronize()
-            srv.allreduce(x, count, "float32", "sum", name="a")
-            srv.synchronize()
+            comm.allreduce(x, name="a")
+            comm.allreduce(x, name="b")
+            comm.allreduce(x, name="b" if rank == 1 else "a")
+            comm.synchronize()
+            comm.allreduce(x, name="a")
+            comm.synchronize()
 
         return out | expect_failure(body)
     if name == "kill":
         # Rank 1 dies in the middle; the others must fail fast, not hang.
         victim = 1
-        count = 1 << 20
-        x = device(host_values(rank, count, "float32", "sum"))
+        x = device(host_values(rank, 1 << 20, "float32", "sum"), "float32")
 
         def body() -> None:
             for i in range(50):
                 if rank == victim and i == 10:
                     os._exit(9)
-                srv.allreduce(x, count, "float32", "sum", name="k")
-            srv.synchronize()
+                comm.allreduce(x, name="k")
+            comm.synchronize()
 
         return out | expect_failure(body)
     raise SystemExit(f"unknown scenario {name}")
@@ -276,9 +226,10 @@ def main() -> None:
     rdv = FileRendezvous(directory, rank, n, timeout=timeout)
     srv = None
     try:
-        pids = rdv.allgather(os.getpid())
-        srv = GpuServer(rank, n, rdv.job_id, pids, timeout=timeout, planner=hand_plans(n),
-                        chunk_bytes=int(os.environ.get("BLINK_CHUNK_BYTES", str(64 << 10))))
+        import torch
+
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        srv = Communicator(rank, n, machines.cpu(n), rdv, device="cuda", planner=hand_plans(n))
         out = scenario(name, rank, n, srv, sys.argv[5:])
         srv.close()
         srv = None

@@ -83,12 +83,23 @@ BLINK_HD blink_u32 blink_f32_bits(float f) {
 /* bfloat16 is the top half of a float32. */
 BLINK_HD float blink_bf16_to_f32(unsigned short h) { return blink_bits_f32(((blink_u32)h) << 16); }
 BLINK_HD unsigned short blink_f32_to_bf16(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    /* one instruction, round to nearest even (NaN becomes the canonical quiet NaN) */
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#endif
     blink_u32 x = blink_f32_bits(f);
     if ((x & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((x >> 16) | 0x0040u); /* quiet NaN */
     return (unsigned short)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16); /* nearest even */
 }
 /* IEEE binary16 <-> binary32, exact / nearest even, as numpy's npy_half. */
 BLINK_HD float blink_f16_to_f32(unsigned short h) {
+#if defined(__CUDA_ARCH__)
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
     blink_u32 sign = ((blink_u32)(h & 0x8000u)) << 16;
     blink_u32 e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
     if (e == 0x1fu) return blink_bits_f32(sign | 0x7f800000u | (m << 13));
@@ -101,6 +112,11 @@ BLINK_HD float blink_f16_to_f32(unsigned short h) {
     return blink_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
 }
 BLINK_HD unsigned short blink_f32_to_f16(float f) {
+#if defined(__CUDA_ARCH__)
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#endif
     blink_u32 x = blink_f32_bits(f);
     blink_u32 sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
     if (ax > 0x7f800000u) {  /* NaN: keep the top payload bits, never become infinity */
@@ -176,7 +192,7 @@ def acc_source(dtype: str) -> str:
     """
     store, comp, to, frm, family = _check_dtype(dtype)
     # Vectors per thread and source in flight, as many as fit 64 registers without spilling (ptxas, sm_90).
-    unroll = {"float16": 2, "int16": 2, "int8": 1, "uint8": 1}.get(dtype, 4)
+    unroll = {"int16": 2, "int8": 1, "uint8": 1}.get(dtype, 4)
     lines = [_PRELUDE, f"typedef {store} blink_t;", f"#define BLINK_UNROLL {unroll}"]
     if family == "float":
         lines += [

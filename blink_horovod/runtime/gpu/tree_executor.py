@@ -130,7 +130,9 @@ class TreeExecutor:
         self._ctl_host, self._ctl_view = c.host_alloc(64)  # [abort, error epoch]
         self._ctl_view[:] = 0
         self._aux = c.stream()
-        self._event = c.event()
+        # Streams launched on since the last synchronize: their events are recorded there, not per launch.
+        self._pending: set[int] = set()
+        self._events: dict[int, int] = {}
         self._launched = False
         # Parameter block: one BlinkArgs, passed by value through a void*[1].
         self._args = np.zeros(1, ARGS_DTYPE)
@@ -233,7 +235,7 @@ class TreeExecutor:
             fn = self._function(dtype, op or "sum")
             sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
             self.cuda.launch_kernel(fn, work.blocks, THREADS, sp, self._params)
-            self.cuda.record(self._event, sp)
+            self._pending.add(sp)
             self._launched = True
             self.last_meta_seconds = t1 - t0
             self.last_launch_seconds = time.perf_counter() - t1
@@ -289,7 +291,7 @@ class TreeExecutor:
             rec.args[0]["epoch"] = self.epoch
             sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
             self.cuda.launch_kernel(rec.fn, rec.grid, THREADS, sp, ctypes.addressof(rec.argp))
-            self.cuda.record(self._event, sp)
+            self._pending.add(sp)
             self.last_meta_seconds = t1 - t0
             self.last_launch_seconds = time.perf_counter() - t1
             return True
@@ -351,12 +353,23 @@ class TreeExecutor:
             return
         ctx = WaitContext.start("synchronize", self.timeout if timeout is None else timeout, self.stall)
         try:
-            c, ev = self.cuda, self._event
-            self._wait_until(lambda: c.done(ev), ctx, "launched collectives")
+            c = self.cuda
+            evs = self._record_pending()
+            self._wait_until(lambda: all(c.done(ev) for ev in evs), ctx, "launched collectives")
             self._check_device_error(ctx)
         except BaseException as exc:
             self.fail(exc)
             raise
+
+    def _record_pending(self) -> list[int]:
+        """An event after the last launch on each stream used (recorded now: stream order puts it behind)."""
+        for sp in self._pending:
+            ev = self._events.get(sp)
+            if ev is None:
+                ev = self._events[sp] = self.cuda.event()
+            self.cuda.record(ev, sp)
+        self._pending.clear()
+        return list(self._events.values())
 
     def _wait_until(self, ready: Callable[[], bool], ctx: WaitContext, what: str) -> None:
         if ready():
@@ -428,7 +441,8 @@ class TreeExecutor:
                     c.free(trees)
                 self._tables.clear()
                 c.free(self._own_flags)
-                c.destroy_event(self._event)
+                for ev in self._events.values():
+                    c.destroy_event(ev)
                 c.free_host(self._ctl_host)
             else:
                 log.warning("rank %d: device still busy; CUDA memory is left to process exit", self.rank)
@@ -439,9 +453,13 @@ class TreeExecutor:
         if not self._launched:
             return True
         end = time.monotonic() + seconds
+        try:
+            evs = self._record_pending()
+        except Exception:  # noqa: BLE001 - a faulted context: nothing more to wait for
+            return False
         while time.monotonic() < end:
             try:
-                if self.cuda.done(self._event):
+                if all(self.cuda.done(ev) for ev in evs):
                     return True
             except Exception:  # noqa: BLE001 - a faulted context: nothing more to wait for
                 return False
