@@ -249,7 +249,6 @@ __device__ void blink_trees_body(const BlinkArgs& a) {
             if (ok) blink_reduce_range<OP>(a, src, t.nchild + 1, it.lo, it.hi, root ? a.average_n : 0);
             __syncthreads();
             if (threadIdx.x == 0) {
-                __threadfence_system();
                 blink_st_release(blink_word(a, me, (root ? a.fin_word : a.red_word) + i), e);
             }
         }
@@ -267,7 +266,6 @@ __device__ void blink_trees_body(const BlinkArgs& a) {
             if (ok) blink_copy_range(a, t.parent, it.lo, it.hi);
             __syncthreads();
             if (threadIdx.x == 0) {
-                __threadfence_system();
                 blink_st_release(blink_word(a, me, a.fin_word + i), e);
             }
         }

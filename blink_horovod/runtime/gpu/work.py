@@ -26,8 +26,8 @@ __all__ = ["ITEM_DTYPE", "MAX_ITEMS", "MAX_RANKS", "TREE_DTYPE", "Work", "chunk_
 
 MAX_RANKS = 16  # BLINK_MAXR in trees.cu: ranks of one server, and a node's fan-in
 MAX_ITEMS = 8192  # items per collective: the flag words a rank keeps per phase
-MIN_CHUNK_BYTES = 64 << 10  # below this an item is all flag latency
-ITEMS_PER_BLOCK = 16  # enough items per block that blocks finish together (a block's share varies by one item)
+MIN_CHUNK_BYTES = 256 << 10  # below this an item is all flag latency
+ITEMS_PER_BLOCK = 8  # enough items per block that blocks finish together (a block's share varies by one item)
 
 ITEM_DTYPE = np.dtype([("lo", "<i8"), ("hi", "<i8"), ("tree", "<i4"), ("pad0", "<i4"), ("pad1", "<i8")])
 TREE_DTYPE = np.dtype([("parent", "<i4"), ("nchild", "<i4"), ("child", "<i4", (MAX_RANKS,))])
