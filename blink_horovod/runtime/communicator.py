@@ -561,10 +561,7 @@ class _DeviceFlat:
             if not arr.is_contiguous():
                 raise ConfigError(f"{what}: the CUDA tensor must be contiguous (shape {list(arr.shape)}, strides "
                                   f"{list(arr.stride())})")
-            import torch
-
-            stream = int(torch.cuda.current_stream(arr.device).cuda_stream)
-            return cls(int(arr.data_ptr()), int(arr.numel()), None, torch_name, stream)
+            return cls(arr.data_ptr(), arr.numel(), None, torch_name, _torch_stream(arr.get_device()))
         cai = getattr(arr, "__cuda_array_interface__", None)
         if cai is None:
             raise ConfigError(f"{what}: expected a CUDA array (CuPy, torch, __cuda_array_interface__) on device "
@@ -589,11 +586,30 @@ _TORCH_NAMES = {"float32": "float32", "float64": "float64", "float16": "float16"
                 "int32": "int32", "int64": "int64", "int8": "int8", "uint8": "uint8", "int16": "int16"}
 
 
+_TORCH_SEEN: dict[Any, str] = {}  # torch dtype -> Blink's name (this runs on every collective)
+
+
 def _torch_dtype_name(arr: Any) -> str | None:
     """Blink's name of a torch tensor's dtype (None: not a torch tensor)."""
+    dt = getattr(arr, "dtype", None)
+    hit = _TORCH_SEEN.get(dt)
+    if hit is not None:
+        return hit
     if type(arr).__module__.split(".")[0] != "torch" or not hasattr(arr, "data_ptr"):
         return None
     name = str(arr.dtype).removeprefix("torch.")
     if name not in _TORCH_NAMES:
         raise ConfigError(f"dtype: torch.{name} is not supported (expected one of {', '.join(_TORCH_NAMES)})")
+    _TORCH_SEEN[dt] = _TORCH_NAMES[name]
     return _TORCH_NAMES[name]
+
+
+def _torch_stream(device: int) -> int:
+    """The raw ``cudaStream_t`` torch's current stream of ``device`` (torch's own accessor where it has one:
+    no Stream object per call)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)

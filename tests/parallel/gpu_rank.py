@@ -58,12 +58,13 @@ def hand_plans(n: int):
 def host_values(rank: int, count: int, dtype: str, op: str, seed: int = 0) -> np.ndarray:
     """Integer-valued data, different per rank, exact in every dtype (nccl-tests' idea)."""
     rng = np.random.default_rng(seed * 1009 + rank)
+    low = 0 if dtype == "uint8" else -1  # unsigned: no negative values (the reference does not wrap)
     if op == "product":
-        v = rng.choice([1, 1, 2, -1], count)
+        v = rng.choice([1, 1, 2, -1 if low else 1], count)
     elif op == "average":
-        v = 8 * rng.integers(-3, 4, count)
+        v = 8 * rng.integers(3 * low, 4, count)
     else:
-        v = rng.integers(-8, 9, count)
+        v = rng.integers(8 * low, 9, count)
     if dtype == "bfloat16":
         return f32_to_bf16(v.astype(np.float32))
     return v.astype(numpy_dtype(dtype) if dtype != "bfloat16" else np.uint16)
