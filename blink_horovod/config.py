@@ -29,13 +29,9 @@ __all__ = [
     "BLINK_STALL_CHECK_SECONDS",
     "BLINK_LOG_LEVEL",
     "BLINK_FAULT",
-    "BLINK_GPU_FLAGS",
-    "GPU_FLAG_MODES",
     "BLINK_MPI_YIELD",
     "BLINK_BACKGROUND_IDLE",
     "BLINK_STREAM_COPY",
-    "BLINK_GPU_LAUNCH",
-    "GPU_LAUNCH_MODES",
     "ALL_VARIABLES",
     "LAUNCHER_FLAGS",
     "Config",
@@ -53,23 +49,6 @@ BLINK_LOG_LEVEL = "BLINK_LOG_LEVEL"
 # Fault injection for the reliability tests only (see runtime.faults):
 # "ACTION:after=K[:rank=R]" with ACTION in kill, raise, stall, corrupt.
 BLINK_FAULT = "BLINK_FAULT"
-# How GPU ranks run a program and signal each other: "fused" (the whole program as one generated
-# kernel, metadata checked on the device: one launch per collective), "kernel" (a graph of copies,
-# reduction kernels and one-thread spin/write kernels), "memop" (the same graph with
-# cuStreamWaitValue32/WriteValue32: ~3.6 us of host time per node at launch, but a blocked wait lets
-# the driver switch to another process's context at once), or "auto" (memop when several processes
-# share one GPU without MPS, fused otherwise).  See docs/gpu-runtime.md.
-BLINK_GPU_FLAGS = "BLINK_GPU_FLAGS"
-GPU_FLAG_MODES = ("auto", "kernel", "memop", "fused")
-# How a fused program (BLINK_GPU_FLAGS=fused) is launched: "graph" (a one-node CUDA graph, replayed) or
-# "kernel" (cuLaunchKernel with a parameter array built once), both one driver call per collective and
-# ordered on the caller's stream; or "persistent": the kernel is launched once per run of collectives of
-# one program and each collective is rung by a store to mapped host memory, no CUDA call.  Persistent
-# collectives are ordered by the host, not the stream: each starts after the work queued on the caller's
-# stream is done (the host checks, and waits if not), and its result is the caller's after
-# synchronize() (docs/gpu-runtime.md, "Persistent launch").
-BLINK_GPU_LAUNCH = "BLINK_GPU_LAUNCH"
-GPU_LAUNCH_MODES = ("graph", "kernel", "persistent")
 # While a Blink CPU collective runs, the Open MPI already loaded in the process (Horovod's MPI
 # controller) yields the CPU when its polling finds nothing to do, as under mpi_yield_when_idle, and
 # goes back to its own setting afterwards: Horovod's background thread keeps polling its 1 ms
@@ -97,8 +76,6 @@ ALL_VARIABLES = (
     BLINK_STALL_CHECK_SECONDS,
     BLINK_LOG_LEVEL,
     BLINK_FAULT,
-    BLINK_GPU_FLAGS,
-    BLINK_GPU_LAUNCH,
     BLINK_MPI_YIELD,
     BLINK_BACKGROUND_IDLE,
     BLINK_STREAM_COPY,
@@ -138,8 +115,6 @@ class Config:
     stall_check_seconds: float = DEFAULT_STALL_CHECK_SECONDS
     log_level: str = "warning"
     fault: str | None = None
-    gpu_flags: str = "auto"
-    gpu_launch: str = "graph"
     mpi_yield: bool = True
     background_idle: bool = True
     stream_copy: bool = True
@@ -209,13 +184,6 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     if level not in LOG_LEVELS:
         raise ConfigError(f"{BLINK_LOG_LEVEL}: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
     cache_raw = env.get(BLINK_PLAN_CACHE, "").strip()
-    gpu_flags = env.get(BLINK_GPU_FLAGS, "").strip().lower() or "auto"
-    gpu_launch = env.get(BLINK_GPU_LAUNCH, "").strip().lower() or "graph"
-    if gpu_launch not in GPU_LAUNCH_MODES:
-        raise ConfigError(f"{BLINK_GPU_LAUNCH}: expected one of {', '.join(GPU_LAUNCH_MODES)}, got "
-                          f"{env[BLINK_GPU_LAUNCH]!r}")
-    if gpu_flags not in GPU_FLAG_MODES:
-        raise ConfigError(f"{BLINK_GPU_FLAGS}: expected one of {', '.join(GPU_FLAG_MODES)}, got {env[BLINK_GPU_FLAGS]!r}")
     return Config(
         enable=_flag(env, BLINK_ENABLE),
         topology=env.get(BLINK_TOPOLOGY, "").strip() or None,
@@ -226,8 +194,6 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         stall_check_seconds=_seconds(env, BLINK_STALL_CHECK_SECONDS, DEFAULT_STALL_CHECK_SECONDS),
         log_level=level,
         fault=_fault(env),
-        gpu_flags=gpu_flags,
-        gpu_launch=gpu_launch,
         mpi_yield=_flag(env, BLINK_MPI_YIELD, default=True),
         background_idle=_flag(env, BLINK_BACKGROUND_IDLE, default=True),
         stream_copy=_flag(env, BLINK_STREAM_COPY, default=True),

@@ -135,7 +135,7 @@ class Communicator:
     device : str
         ``"cpu"`` (numpy arrays over shared memory) or ``"cuda"`` (CUDA arrays:
         CuPy, torch, anything with ``__cuda_array_interface__``; the GPU
-        executor, :mod:`.gpu.executor`, one server, needs ``BLINK_TOPOLOGY``).
+        executor, :mod:`.gpu.tree_executor`, one server, needs ``BLINK_TOPOLOGY``).
         On CUDA a collective returns once launched on CuPy's current stream, as
         NCCL's do; :meth:`synchronize` waits for it.
     transport : Transport, optional

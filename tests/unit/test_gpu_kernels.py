@@ -1,12 +1,12 @@
-"""The GPU kernels' element functions, compiled for the host with g++, against numpy bit for bit.
+"""The tree kernel's element functions, compiled for the host with g++, against numpy bit for bit.
 
-The same source (:func:`blink_horovod.runtime.gpu.kernels.element_source`)
-is what NVRTC compiles on the GPU machine; here ``g++`` builds it into a
-shared library and every dtype/op is compared with the CPU runtime's
-reductions (:func:`blink_horovod.runtime.dtypes.reduce_to`), including
-float16/bfloat16 rounding, subnormals, infinities, NaN propagation and
-integer wrap-around.  When ``nvcc`` is installed the full device modules are
-also compiled for sm_90 (syntax and types of the kernels themselves).
+The same source (:func:`blink_horovod.runtime.gpu.kernels.acc_source`) is
+what NVRTC compiles on the GPU machine ahead of ``trees.cu``; here ``g++``
+builds it into a shared library and every dtype/op is compared with the CPU
+runtime's reductions (:func:`blink_horovod.runtime.dtypes.reduce_to`),
+including float16/bfloat16 rounding, subnormals, infinities, NaN propagation
+and integer wrap-around.  When ``nvcc`` is installed the whole kernel source
+is also compiled for sm_90.
 """
 
 from __future__ import annotations
@@ -26,13 +26,8 @@ from blink_horovod.runtime.dtypes import (
     numpy_dtype,
     reduce_to,
 )
-from blink_horovod.runtime.gpu.kernels import (
-    KERNEL_OPS,
-    device_source,
-    grid_for,
-    host_test_source,
-    kernel_name,
-)
+from blink_horovod.runtime.gpu.kernels import KERNEL_OPS, host_test_source
+from blink_horovod.runtime.gpu.tree_executor import kernel_source
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -182,23 +177,19 @@ def test_float16_conversions_exhaustive(libs) -> None:
     same(out, ref, "float16")
 
 
-def test_kernel_names_and_grid() -> None:
-    assert kernel_name("reduce", "float16", "average") == "blink_reduce_sum_float16"
-    assert kernel_name("reduce", "int8", "prod") == "blink_reduce_product_int8"
-    assert kernel_name("stage_out", "bfloat16") == "blink_stage_out_bfloat16"
+def test_kernel_source_has_every_op_and_no_include() -> None:
     for dt in DTYPES:
-        src = device_source(dt)
+        src = kernel_source(dt)
         for op in KERNEL_OPS:
-            assert kernel_name("reduce", dt, op) in src
+            assert f"BLINK_TREES_KERNEL(blink_trees_{op}," in src
         assert "#include" not in src  # NVRTC without toolkit headers
-    assert grid_for(1) == 1 and grid_for(256) == 1 and grid_for(257) == 2 and grid_for(1 << 30) == 4096
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("dt", ["float16", "bfloat16", "float64", "int8"])
 def test_device_modules_compile_for_sm90(tmp_path, dt: str) -> None:
     src = tmp_path / f"{dt}.cu"
-    src.write_text(device_source(dt))
+    src.write_text(kernel_source(dt))
     proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"{dt}.cubin"), str(src)],
                           capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr

@@ -1,46 +1,29 @@
-"""Reduction and staging kernels of the GPU executor, generated per dtype as CUDA C++ source.
+"""Element functions of the tree kernel (``trees.cu``), generated per dtype as CUDA C++ source.
 
-Blink (MLSys 2020, section 4) reduces each chunk on the receiving GPU; here a
-small kernel per (dtype, op) reads the peer's IPC-mapped buffer directly and
-writes the own one, ``dst[i] = op(a[i], b[i])``.  Two more kernels per dtype
-copy the user's tensor into the shared buffer and back (``stage_in``,
-``stage_out``; the latter finishes ``average``), reading the user pointer
-from a device argument slot, so one captured graph serves any tensor.
+Blink (MLSys 2020, section 4) reduces each chunk on the receiving GPU.  The kernel accumulates a
+node's own elements and its children's in ``blink_acc_t`` and rounds once on the way out.  These
+functions are plain C++ with no headers, so that
 
-The element functions are plain C++ with no headers, so that
+* NVRTC compiles them without the toolkit's ``cuda_fp16.h``/``cuda_bf16.h`` (not always on the
+  include path of a pip-installed CuPy), and
+* the very same functions compile for the host (``g++``), where the unit tests check them against
+  numpy bit for bit (tests/unit/test_gpu_kernels.py).
 
-* NVRTC compiles them without the toolkit's ``cuda_fp16.h``/``cuda_bf16.h``
-  (not always on the include path of a pip-installed CuPy), and
-* the very same functions compile for the host (``g++``), where the unit
-  tests check them against numpy bit for bit (tests/unit/test_gpu_kernels.py).
-
-Semantics follow the CPU runtime (:mod:`blink_horovod.runtime.dtypes`):
-float16/bfloat16 compute in float32 and round to nearest even (numpy's and
-ml_dtypes' way; for + and * that equals correct rounding, float32 having more
-than 2p+2 bits); integers wrap; min/max propagate NaN as ``np.minimum``;
-``average`` divides floats by n and truncates ``x * (1.0 / n)`` in double for
-integers (Horovod's ``ScaleBuffer``).
+Semantics follow the CPU runtime (:mod:`blink_horovod.runtime.dtypes`): float16/bfloat16 compute in
+float32 and round to nearest even (on the device with the hardware conversion instructions, whose NaN
+is the canonical quiet NaN); integers wrap; min/max propagate NaN as ``np.minimum``; ``average``
+divides floats by n and truncates ``x * (1.0 / n)`` in double for integers (Horovod's
+``ScaleBuffer``).
 """
 
 from __future__ import annotations
 
 from ...errors import ConfigError
-from ..dtypes import DTYPES, check_op
+from ..dtypes import DTYPES
 
-__all__ = [
-    "BLOCK",
-    "acc_source",
-    "KERNEL_OPS",
-    "device_source",
-    "element_source",
-    "grid_for",
-    "host_test_source",
-    "kernel_name",
-]
+__all__ = ["KERNEL_OPS", "acc_source", "host_test_source"]
 
-BLOCK = 256  # threads per block
-MAX_GRID = 4096  # blocks: enough to fill an H200 (132 SMs) many times over; grid-stride beyond
-KERNEL_OPS = ("sum", "min", "max", "product")  # average reduces as sum
+KERNEL_OPS = ("sum", "min", "max", "product")  # average reduces as sum and the root divides
 
 # dtype -> (storage C type, compute C type, to-compute, from-compute, family)
 _TYPES = {
@@ -146,43 +129,6 @@ def _check_dtype(dtype: str) -> tuple[str, str, str, str, str]:
     return spec
 
 
-def element_source(dtype: str) -> str:
-    """Prelude plus ``blink_op_<op>`` and ``blink_finish_average`` for ``dtype`` (host and device)."""
-    store, comp, to, frm, family = _check_dtype(dtype)
-    lines = [_PRELUDE, f"typedef {store} blink_t;"]
-    if family == "float":
-        def tc(v: str) -> str:
-            return f"{to}({v})" if to else v
-
-        def fc(v: str) -> str:
-            return f"{frm}({v})" if frm else v
-
-        x, y = tc("x"), tc("y")
-        lines += [
-            f"BLINK_HD blink_t blink_op_sum(blink_t x, blink_t y) {{ return {fc('(' + x + ' + ' + y + ')')}; }}",
-            f"BLINK_HD blink_t blink_op_product(blink_t x, blink_t y) {{ return {fc('(' + x + ' * ' + y + ')')}; }}",
-            # NaN propagates as np.minimum/np.maximum: (a < b || a != a) ? a : b, returning the operand itself.
-            (f"BLINK_HD blink_t blink_op_min(blink_t x, blink_t y) {{ {comp} a = {x}, b = {y}; "
-             "return (a < b || a != a) ? x : y; }"),
-            (f"BLINK_HD blink_t blink_op_max(blink_t x, blink_t y) {{ {comp} a = {x}, b = {y}; "
-             "return (a > b || a != a) ? x : y; }"),
-            f"BLINK_HD blink_t blink_finish_average(blink_t x, int n) {{ return {fc('(' + x + ' / (' + comp + ')n)')}; }}",
-        ]
-    else:
-        # Wrap-around as numpy: compute in `comp` (unsigned for 32/64 bits, int for narrower types,
-        # whose products fit an int), truncate on the way back.
-        lines += [
-            f"BLINK_HD blink_t blink_op_sum(blink_t x, blink_t y) {{ return (blink_t)(({comp})x + ({comp})y); }}",
-            f"BLINK_HD blink_t blink_op_product(blink_t x, blink_t y) {{ return (blink_t)(({comp})x * ({comp})y); }}",
-            "BLINK_HD blink_t blink_op_min(blink_t x, blink_t y) { return x < y ? x : y; }",
-            "BLINK_HD blink_t blink_op_max(blink_t x, blink_t y) { return x > y ? x : y; }",
-            # Horovod's ScaleBuffer: trunc(x * (1.0 / n)) in double; the cast truncates toward zero.
-            ("BLINK_HD blink_t blink_finish_average(blink_t x, int n) "
-             "{ return (blink_t)(blink_i64)((double)x * (1.0 / (double)n)); }"),
-        ]
-    return "\n".join(lines) + "\n"
-
-
 def acc_source(dtype: str) -> str:
     """Prelude plus the accumulating element functions of the tree kernel (``trees.cu``), host and device.
 
@@ -220,70 +166,19 @@ def acc_source(dtype: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kernel_name(kind: str, dtype: str, op: str | None = None) -> str:
-    """``blink_reduce_sum_float32``, ``blink_stage_in_float32``, ``blink_stage_out_float32``."""
-    _check_dtype(dtype)
-    if kind == "reduce":
-        op = check_op(op or "sum")
-        op = "sum" if op == "average" else op
-        return f"blink_reduce_{op}_{dtype}"
-    if kind in ("stage_in", "stage_out"):
-        return f"blink_{kind}_{dtype}"
-    raise ConfigError(f"kernel kind: {kind!r} (expected reduce, stage_in or stage_out)")
-
-
-def device_source(dtype: str) -> str:
-    """One CUDA module for ``dtype``: a reduce kernel per op, ``stage_in`` and ``stage_out``.
-
-    Pointers travel as ``unsigned long long`` (passed from Python as
-    ``numpy.uint64``), element counts as ``long long``.  ``args`` points to a
-    device slot holding the user tensor's base address (bytes), which the host
-    fills before each launch.
-    """
-    src = [element_source(dtype)]
-    loop = ("for (blink_i64 i = (blink_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; "
-            "i += (blink_i64)gridDim.x * blockDim.x)")
-    for op in KERNEL_OPS:
-        src.append(
-            f'extern "C" __global__ void {kernel_name("reduce", dtype, op)}'
-            "(blink_u64 dst, blink_u64 a, blink_u64 b, blink_i64 n) {\n"
-            "    blink_t* d = (blink_t*)dst;  /* no __restrict__: x aliases d (in-place reduction) */\n"
-            "    const blink_t* x = (const blink_t*)a;\n"
-            "    const blink_t* __restrict__ y = (const blink_t*)b;\n"
-            f"    {loop} d[i] = blink_op_{op}(x[i], y[i]);\n"
-            "}\n"
-        )
-    src.append(
-        f'extern "C" __global__ void {kernel_name("stage_in", dtype)}'
-        "(blink_u64 args, blink_i64 user_offset, blink_u64 buf, blink_i64 n) {\n"
-        "    const blink_t* __restrict__ u = (const blink_t*)(*(const volatile blink_u64*)args) + user_offset;\n"
-        "    blink_t* __restrict__ d = (blink_t*)buf;\n"
-        f"    {loop} d[i] = u[i];\n"
-        "}\n"
-    )
-    src.append(
-        f'extern "C" __global__ void {kernel_name("stage_out", dtype)}'
-        "(blink_u64 args, blink_i64 user_offset, blink_u64 buf, blink_i64 n, int average_n) {\n"
-        "    blink_t* __restrict__ u = (blink_t*)(*(const volatile blink_u64*)args) + user_offset;\n"
-        "    const blink_t* __restrict__ s = (const blink_t*)buf;\n"
-        f"    if (average_n > 1) {{ {loop} u[i] = blink_finish_average(s[i], average_n); }}\n"
-        f"    else {{ {loop} u[i] = s[i]; }}\n"
-        "}\n"
-    )
-    return "\n".join(src)
-
-
 def host_test_source(dtype: str) -> str:
-    """The element functions wrapped as host loops (``extern "C"``), for the unit tests' g++ build."""
-    src = [element_source(dtype)]
+    """The element functions wrapped as host loops (``extern "C"``), for the unit tests' g++ build: each op
+    of two operands accumulated and rounded once, as the kernel does for a node with one child."""
+    src = [acc_source(dtype)]
     for op in KERNEL_OPS:
         src.append(
             f'extern "C" void host_{op}(const blink_t* a, const blink_t* b, blink_t* out, blink_i64 n) '
-            f"{{ for (blink_i64 i = 0; i < n; ++i) out[i] = blink_op_{op}(a[i], b[i]); }}"
+            f"{{ for (blink_i64 i = 0; i < n; ++i) "
+            f"out[i] = blink_from_acc(blink_acc_{op}(blink_to_acc(a[i]), blink_to_acc(b[i]))); }}"
         )
     src.append(
         'extern "C" void host_average(const blink_t* a, blink_t* out, blink_i64 n, int k) '
-        "{ for (blink_i64 i = 0; i < n; ++i) out[i] = blink_finish_average(a[i], k); }"
+        "{ for (blink_i64 i = 0; i < n; ++i) out[i] = blink_from_acc(blink_acc_finish_average(blink_to_acc(a[i]), k)); }"
     )
     if dtype == "float16":
         src.append('extern "C" void host_f16_to_f32(const unsigned short* a, float* out, blink_i64 n) '
@@ -291,8 +186,3 @@ def host_test_source(dtype: str) -> str:
         src.append('extern "C" void host_f32_to_f16(const float* a, unsigned short* out, blink_i64 n) '
                    "{ for (blink_i64 i = 0; i < n; ++i) out[i] = blink_f32_to_f16(a[i]); }")
     return "\n".join(src) + "\n"
-
-
-def grid_for(n: int) -> int:
-    """Blocks for ``n`` elements (grid-stride loops cover the rest)."""
-    return max(1, min(MAX_GRID, -(-n // BLOCK)))

@@ -16,6 +16,7 @@ given allocation only once per process) and keeps the mapping.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from typing import Any
 
 from ...errors import BlinkInternalError
@@ -66,8 +67,6 @@ class Registry:
     def close(self) -> None:
         """Unmap every peer allocation (the own ones belong to their allocators)."""
         for base in self._peers.values():
-            try:
+            with contextlib.suppress(Exception):  # closing at exit: nothing left to protect
                 self.cuda.ipc_close(base)
-            except Exception:  # noqa: BLE001 - closing at exit: nothing left to protect
-                pass
         self._peers.clear()

@@ -104,7 +104,7 @@ class TreeExecutor:
 
             from .device import Cuda
 
-            cuda = Cuda(int(cupy.cuda.runtime.getDevice()) if device is None else device, flag_ops="fused")
+            cuda = Cuda(int(cupy.cuda.runtime.getDevice()) if device is None else device)
         self.cuda = cuda
         from .registry import Registry
 

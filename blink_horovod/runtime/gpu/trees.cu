@@ -2,7 +2,7 @@
  *
  * Compiled by NVRTC after kernels.element_source(dtype), which defines blink_t (the storage type),
  * blink_acc_t (float32 for half types: they accumulate in float32 inside a reduction), the conversions
- * blink_to_acc / blink_from_acc, blink_acc_<op> and blink_acc_finish_average.  No #include: NVRTC needs no
+ * blink_to_acc / blink_from_acc, blink_acc_<op> and blink_acc_finish_average.  No include directive: NVRTC needs no
  * toolkit headers.
  *
  * Every rank of the server runs this kernel on its own buffer, the caller's tensor, in place.  The peers'
