@@ -1,0 +1,290 @@
+"""The GPU executor's host logic without a GPU: ranks as threads over the loopback transport, each with a
+recording stand-in for its CUDA device, driven through ``Communicator`` as users call it.
+
+What the kernel receives is checked: every rank's tensor as mapped in this rank (the peers' through the
+IPC handles they registered), the epoch, the phases, the average's divisor, and the work tables; and
+what the host guarantees: one handle per allocation, repeats replayed, a peer's moved tensor followed,
+a mismatch raised on every rank, a device-side timeout reported.  The kernel itself runs on the device
+(tests/parallel/test_gpu_collectives.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from support.loopback import hand_planner
+from support.ranks import rank_outcomes, run_ranks
+
+from blink_horovod.errors import BlinkTimeoutError, MismatchError
+from blink_horovod.runtime import communicator as cm
+from blink_horovod.runtime.gpu.tree_executor import ARGS_DTYPE, THREADS, TreeExecutor
+from blink_horovod.runtime.gpu.work import ITEM_DTYPE, TREE_DTYPE
+from blink_horovod.runtime.loopback import LoopbackWorld
+from blink_horovod.topology import machines
+
+pytestmark = pytest.mark.timeout(120)
+
+SEGMENT = 1 << 24  # bytes per fake cudaMalloc block
+MAPPED = 1 << 44  # where rank r maps peers' blocks: MAPPED * (r + 1) + their base
+
+
+class FakeCuda:
+    """Records what the executor asks of CUDA; memory is address arithmetic, launches are kept."""
+
+    sms = 132
+    device = 0
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.next = (rank + 1) << 32
+        self.launches: list[tuple[np.ndarray, int, int, int]] = []  # (args, grid, block, stream)
+        self.tables: dict[int, np.ndarray] = {}
+        self.handles_taken: list[int] = []
+        self.opened: list[bytes] = []
+        self.bids: dict[int, int] = {}
+        self._host: list[np.ndarray] = []
+
+    def malloc(self, nbytes: int) -> int:
+        ptr, self.next = self.next, self.next + max(nbytes, 4096)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        pass
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        pass
+
+    def host_alloc(self, nbytes: int) -> tuple[int, np.ndarray]:
+        buf = np.zeros(nbytes // 8, np.uint64)
+        self._host.append(buf)
+        return buf.ctypes.data, buf
+
+    def free_host(self, ptr: int) -> None:
+        pass
+
+    def stream(self):
+        class Stream:
+            ptr = 99
+
+            def synchronize(self) -> None:
+                pass
+
+        return Stream()
+
+    def event(self) -> int:
+        return 1
+
+    def destroy_event(self, ev: int) -> None:
+        pass
+
+    def record(self, ev: int, stream: int) -> None:
+        pass
+
+    def done(self, ev: int) -> bool:
+        return True
+
+    def ipc_handle(self, ptr: int) -> bytes:
+        self.handles_taken.append(ptr)
+        return ptr.to_bytes(64, "little")
+
+    def ipc_open(self, handle: bytes) -> int:
+        self.opened.append(handle)
+        return MAPPED * (self.rank + 1) + int.from_bytes(handle, "little")
+
+    def ipc_close(self, ptr: int) -> None:
+        pass
+
+    def pci_bus_id(self) -> str:
+        return "0000:41:00.0"  # every rank on one GPU
+
+    def blocks_per_sm(self, fn, block: int) -> int:
+        return 2
+
+    def module(self, source: str):
+        assert "BLINK_TREES_KERNEL(blink_trees_sum" in source
+
+        class Module:
+            def get_function(self, name: str) -> str:
+                return name
+
+        return Module()
+
+    def set_device(self) -> None:
+        pass
+
+    def stream_pointer(self, stream) -> int:
+        return 7
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        base = ptr - ptr % SEGMENT
+        return base, SEGMENT
+
+    def buffer_id(self, ptr: int) -> int:
+        return self.bids.get(ptr - ptr % SEGMENT, 1)
+
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: int, kind: str = "d2d") -> None:
+        self.tables[dst] = np.frombuffer(ctypes.string_at(src, nbytes), np.uint8).copy()
+
+    def launch_kernel(self, fn, grid: int, block: int, stream: int, params: int) -> None:
+        args_ptr = ctypes.c_void_p.from_address(params).value
+        args = np.frombuffer(ctypes.string_at(args_ptr, ARGS_DTYPE.itemsize), ARGS_DTYPE).copy()
+        self.launches.append((args, grid, block, stream, fn))
+
+
+class FakeTensor:
+    """A CUDA array as CuPy shows it (``__cuda_array_interface__``), at a given address."""
+
+    def __init__(self, ptr: int, count: int, typestr: str = "<f4") -> None:
+        self.shape = (count,)
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": typestr, "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def make_comms(world: LoopbackWorld, rank: int, n: int) -> tuple[cm.Communicator, FakeCuda]:
+    t = world.transport(rank)
+    cuda = FakeCuda(rank)
+    comm = cm.Communicator(rank, n, machines.cpu(n), None, device="cpu", transport=t,
+                           planner=hand_planner("star"))
+    # The CUDA path as users reach it, with the executor on the recording device.
+    comm.device = "cuda"
+    comm._executor = TreeExecutor(t, 20.0, 10.0, cuda=cuda)
+    return comm, cuda
+
+
+def tensor_at(cuda: FakeCuda, offset: int, count: int, typestr: str = "<f4") -> FakeTensor:
+    return FakeTensor(((cuda.rank + 1) << 36) + offset, count, typestr)
+
+
+def run(n: int, body):
+    world = LoopbackWorld(n)
+
+    def rank(r: int):
+        comm, cuda = make_comms(world, r, n)
+        try:
+            return body(r, comm, cuda)
+        finally:
+            comm.close()
+
+    return run_ranks(rank, n, timeout=60)
+
+
+def test_each_rank_gets_every_tensor_through_its_mapping() -> None:
+    n, count = 3, 1000
+
+    def body(r, comm, cuda):
+        x = tensor_at(cuda, 4096, count)
+        comm.allreduce(x, "average", name="g")
+        args, grid, block, stream, fn = cuda.launches[-1]
+        return args[0], grid, block, fn
+
+    got = run(n, body)
+    for r, (a, grid, block, fn) in enumerate(got):
+        assert a["rank"] == r and a["nranks"] == n and a["epoch"] == 1
+        assert a["phases"] == 3 and a["average_n"] == n and fn == "blink_trees_sum"
+        assert block == THREADS and 1 <= grid <= 132 * 2 // n
+        for q in range(n):
+            own = ((q + 1) << 36) + 4096
+            want = own if q == r else MAPPED * (r + 1) + (own - own % SEGMENT) + own % SEGMENT
+            assert a["buf"][q] == want, (r, q)
+        assert a["vec"] == 1  # every tensor 16-byte aligned
+        assert a["nitems"] >= n  # a star per rank, each with at least one item
+
+
+def test_tables_match_the_plan_and_broadcast_runs_the_second_phase_only() -> None:
+    n, count = 4, 1 << 16
+
+    def body(r, comm, cuda):
+        x = tensor_at(cuda, 0, count)
+        comm.broadcast(x, root=2, name="b")
+        a = cuda.launches[-1][0][0]
+        items = cuda.tables[int(a["items"])].view(ITEM_DTYPE)[: a["nitems"]]
+        trees = cuda.tables[int(a["trees"])].view(TREE_DTYPE)
+        return a, items, trees
+
+    for r, (a, items, trees) in enumerate(run(n, body)):
+        assert a["phases"] == 2 and a["average_n"] == 0
+        assert items["lo"][0] == 0 and items["hi"][-1] == count
+        assert all(trees["parent"] == (-1 if r == 2 else 2))  # hand-made stars from the root
+
+
+def test_a_repeat_is_replayed_and_one_handle_is_taken_per_allocation() -> None:
+    n = 2
+
+    def body(r, comm, cuda):
+        x = tensor_at(cuda, 0, 256)
+        y = tensor_at(cuda, 8192, 256)  # same allocation, another tensor
+        for _ in range(5):
+            comm.allreduce(x, name="x")
+        comm.allreduce(y, name="y")
+        epochs = [int(lw[0][0]["epoch"]) for lw in cuda.launches]
+        return epochs, len(cuda.handles_taken), len(cuda.opened), len(comm._executor._replays)
+
+    for epochs, taken, opened, replays in run(n, body):
+        assert epochs == list(range(1, 7))
+        assert taken == 2  # the flag segment, then one tensor allocation
+        assert opened == 2  # the peer's flag segment, then its allocation (once, though two tensors)
+        assert replays == 2
+
+
+def test_a_peer_whose_tensor_moved_is_followed_by_a_rank_that_replays() -> None:
+    n = 2
+
+    def body(r, comm, cuda):
+        x = tensor_at(cuda, 0, 512)
+        comm.allreduce(x, name="x")
+        comm.allreduce(x, name="x")
+        if r == 1:  # rank 1's tensor now lives in a new allocation; rank 0's did not move
+            cuda.bids[((r + 1) << 36)] = 2
+        comm.allreduce(x, name="x")
+        return [lw[0][0]["buf"][: n].tolist() for lw in cuda.launches], len(cuda.opened), len(cuda.handles_taken)
+
+    (bufs0, opened0, _), (bufs1, _, taken1) = run(n, body)
+    assert taken1 == 3  # rank 1 registered its new allocation (flags, old, new)...
+    assert opened0 == 3  # ...rank 0, replaying, opened that handle...
+    assert bufs0[2][1] == MAPPED + (2 << 36)  # ...and hands the kernel its mapping
+    assert bufs1[2][1] == (2 << 36)  # while rank 1 uses its own tensor as always
+
+
+def test_a_mismatch_is_raised_on_every_rank_naming_the_field() -> None:
+    n = 3
+    world = LoopbackWorld(n)
+
+    def rank(r: int):
+        comm, cuda = make_comms(world, r, n)
+        try:
+            x = tensor_at(cuda, 0, 100 if r != 1 else 101)
+            comm.allreduce(x, name="m")
+        finally:
+            comm.close()
+
+    outcomes = rank_outcomes(rank, n, timeout=60)
+    for o in outcomes:
+        assert isinstance(o.error, MismatchError), o
+        assert "shape" in str(o.error) and "rank 1" in str(o.error)
+
+
+def test_a_timeout_found_by_the_kernel_is_reported_at_the_next_call() -> None:
+    n = 2
+
+    def body(r, comm, cuda):
+        x = tensor_at(cuda, 0, 64)
+        comm.allreduce(x, name="t")
+        comm._executor._ctl_view[1] = 1  # what the kernel writes when a wait gives up (epoch 1)
+        with pytest.raises(BlinkTimeoutError, match="gave up waiting"):
+            comm.allreduce(x, name="t")
+        comm._executor._ctl_view[1] = 0
+        return True
+
+    world = LoopbackWorld(n)
+
+    def rank(r: int):
+        comm, cuda = make_comms(world, r, n)
+        try:
+            return body(r, comm, cuda)
+        finally:
+            comm._executor._closed = True  # failed executors: nothing to drain
+            comm._executor.t.close()
+
+    assert run_ranks(rank, n, timeout=60) == [True, True]
