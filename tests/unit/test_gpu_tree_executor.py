@@ -39,7 +39,7 @@ class FakeCuda:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.next = (rank + 1) << 32
-        self.launches: list[tuple[np.ndarray, int, int, int]] = []  # (args, grid, block, stream)
+        self.launches: list[tuple] = []  # (args, grid, block, stream, function)
         self.tables: dict[int, np.ndarray] = {}
         self.handles_taken: list[int] = []
         self.opened: list[bytes] = []
@@ -176,7 +176,7 @@ def test_each_rank_gets_every_tensor_through_its_mapping() -> None:
     def body(r, comm, cuda):
         x = tensor_at(cuda, 4096, count)
         comm.allreduce(x, "average", name="g")
-        args, grid, block, stream, fn = cuda.launches[-1]
+        args, grid, block, _stream, fn = cuda.launches[-1]
         return args[0], grid, block, fn
 
     got = run(n, body)
