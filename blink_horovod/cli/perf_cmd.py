@@ -541,7 +541,7 @@ def _measure(job: _Job, a: _Args, dtype: str, op: str, size: int) -> dict[str, _
     if a.check:
         for impl in runs:
             wrong[impl] += checked_run(impl)
-    bound = _hbm_bound(job, a, size) if cuda else None
+    bound = _bound(job, a, size) if cuda else None
     for impl in runs:
         stats = job.gather((elapsed[impl] / a.iters, wrong[impl], cpu[impl] / a.iters))
         slowest = max(t for t, _, _ in stats)
@@ -570,15 +570,30 @@ def _from_cuda(t, dt: np.dtype) -> np.ndarray:
     return t.cpu().numpy()
 
 
-def _hbm_bound(job: _Job, a: _Args, size: int) -> float | None:
-    """The busbw an allreduce (or broadcast) of ``size`` bytes could reach if every rank's input were read
-    once and every output written once at the device's own copy rate, measured now by local rank 0 with
-    the GPU otherwise idle; None where every rank has a GPU of its own (the plan's optimum is the bound
-    there).  A device-to-device copy of ``b`` bytes moves 2b, so the copy rate is 2b / t."""
+def _bound(job: _Job, a: _Args, size: int) -> float | None:
+    """The yardstick of a CUDA row, as busbw: the HBM bound where ranks share a GPU (:func:`_hbm_bound`),
+    else the plan's proven optimum (every GPU's links busy: algbw = the plan's rate)."""
     ex = job.comm._executor if job.comm is not None else None
-    n = job.local_size
-    if ex is None or getattr(ex, "ranks_on_device", 1) < 2:
+    if ex is None:
         return None
+    if getattr(ex, "ranks_on_device", 1) >= 2:
+        return _hbm_bound(job, a, size)
+    plan = job.comm.plan(a.collective, None if a.collective == "allreduce" else job.server_of(a.root)[1])
+    return optimum_busbw(plan.rate_gbps, a.collective, job.local_size) if plan is not None else None
+
+
+def optimum_busbw(rate_gbps: float, collective: str, n: int) -> float:
+    """busbw (GB/s, nccl-tests' factor) of a collective that runs at the plan's rate: Blink's trees move
+    each byte of the buffer at ``rate_gbps`` (section 3), so algbw is the rate."""
+    return rate_gbps * busbw_factor(collective, n)
+
+
+def _hbm_bound(job: _Job, a: _Args, size: int) -> float | None:
+    """The busbw an allreduce (or broadcast) of ``size`` bytes could reach on a GPU the ranks share if every
+    rank's input were read once and every output written once at the device's own copy rate, measured now
+    by local rank 0 with the GPU otherwise idle.  A device-to-device copy of ``b`` bytes moves 2b, so the
+    copy rate is 2b / t."""
+    n = job.local_size
     import torch
 
     rate = 0.0
@@ -652,7 +667,7 @@ def _header(job: _Job, a: _Args, pids: list, hosts: list) -> list[str]:
     lines.append((lead + "".join(f"{g:^32}" for g in groups)).rstrip())
     cols = "".join(f"  {'time':>7}  {'algbw':>6}  {'busbw':>6} {'#wrong':>6}" for _ in groups)
     units = "".join(f"  {'(us)':>7}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>5}" for _ in groups)
-    if a.device == "cuda":  # the yardstick where ranks share a GPU (_hbm_bound)
+    if a.device == "cuda":  # the yardstick: the HBM bound where ranks share a GPU, else the plan's optimum
         cols += f"  {'bound':>6}  {'%bound':>6}"
         units += f"  {'(GB/s)':>6}  {'':>6}"
     lines.append(f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}{cols}")
