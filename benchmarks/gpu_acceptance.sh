@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU executor's acceptance on one GPU, in one device call: ranks as processes sharing it under MPS,
-# `blink perf --device cuda` per allocation (float32 and bfloat16, 8 B .. 1 GB, -c 1), the yardsticks
-# (benchmarks/gpu_reference.py), and one small summary ($OUT/summary.md) by benchmarks/gpu_summary.py.
+# The GPU executor's acceptance on one GPU, in one device call (about 6 minutes): ranks as processes
+# sharing it under MPS, `blink perf --device cuda` per allocation (float32 and bfloat16, 8 B .. 1 GB,
+# -c 1), the yardsticks (benchmarks/gpu_reference.py), the small-message probe, the GPU tests, and one
+# small summary ($OUT/summary.md) by benchmarks/gpu_summary.py.
 #
-#   STEPS="ref n2 n4 n8 d4 d8 ops" OUT=/tmp/out bash benchmarks/gpu_acceptance.sh
+#   OUT=/tmp/out bash benchmarks/gpu_acceptance.sh
+#   STEPS="n2 ops bcast" SIZES="-b 8 -e 64M -f 8" bash benchmarks/gpu_acceptance.sh   # a subset
 set -u
 OUT=${OUT:-build/gpu-acceptance}
 mkdir -p "$OUT"
@@ -13,9 +15,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export BLINK_TIMEOUT_SECONDS=${BLINK_TIMEOUT_SECONDS:-60}
 export BLINK_PLAN_CACHE=${BLINK_PLAN_CACHE:-/tmp/blink-plans}
-STEPS=${STEPS:-"ref n2 n4 n8 d4 d8 ops"}
+STEPS=${STEPS:-"ref n2 n4 n8 d4 d8 probe2 probe8 tests"}
 SIZES=${SIZES:-"-b 8 -e 1G -f 2"}
-ITERS=${ITERS:-"-n 10 -w 2"}
+ITERS=${ITERS:-"-n 5 -w 1"}
 START=$(date +%s)
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/blink-mps CUDA_MPS_LOG_DIRECTORY=/tmp/blink-mps-log
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
