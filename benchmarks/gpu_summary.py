@@ -15,10 +15,20 @@ NAMES = {"n2": "2, hgx-h200:0,1", "n4": "4, hgx-h200:0,1,2,3", "n8": "8, hgx-h20
          "d8": "8, dgx1v", "ops": "4, hgx-h200:0,1,2,3, every dtype and op", "bcast": "4, hgx-h200:0,1,2,3, broadcast"}
 
 
+def _json(path: str):
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _lines(path: str) -> list[str]:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return fh.readlines()
+
+
 def main(out: str) -> int:
     ref = {}
     if os.path.exists(os.path.join(out, "ref.json")):
-        for r in json.load(open(os.path.join(out, "ref.json"))):
+        for r in _json(os.path.join(out, "ref.json")):
             ref[(r["ranks"], r["size"])] = r["two_shot_busbw"]
     print("| ranks, topology | type | busbw 256 MB | bound | % | busbw 1 GB | bound | % | torch two-shot 1 GB "
           "| 8 B latency (us) | #wrong |")
@@ -27,12 +37,12 @@ def main(out: str) -> int:
         name = os.path.basename(path)[:-5]
         if name == "ref":
             continue
-        rows = json.load(open(path))["rows"]
+        rows = _json(path)["rows"]
         for t in sorted({r["type"] for r in rows}):
             rs = [r for r in rows if r["type"] == t]
             by = {r["size"]: r for r in rs if r["busbw"] is not None}
 
-            def cell(size: int) -> str:
+            def cell(size: int, by: dict = by) -> str:
                 r = by.get(size)
                 if r is None:
                     return "- | - | -"
@@ -46,6 +56,28 @@ def main(out: str) -> int:
             two = ref.get((n, 1 << 30))
             print(f"| {NAMES.get(name, name)} | {t} | {cell(256 << 20)} | {cell(1 << 30)} | "
                   f"{f'{two:.0f}' if two else '-'} | {lat} | {wrong} |")
+    probes = sorted(glob.glob(os.path.join(out, "probe*.log")))
+    if probes:
+        print("\n| probe | size | per op in a loop (us, max over ranks) | host per call (us, max) |")
+        print("| --- | --- | --- | --- |")
+        for path in probes:
+            head = None
+            rows: list[list[float]] = []
+            for line in _lines(path):
+                if line.strip().endswith("per rank:"):
+                    if head and rows:
+                        print(f"| {head[0]} | {head[1]} | {max(r[0] for r in rows):.1f} | {max(r[1] for r in rows):.1f} |")
+                    parts = line.split(":")[0].split(",")
+                    head, rows = (parts[0].strip(), parts[1].strip()), []
+                elif line.strip().startswith("rank ") and head:
+                    rows.append([float(v) for v in line.split(":")[1].split()])
+            if head and rows:
+                print(f"| {head[0]} | {head[1]} | {max(r[0] for r in rows):.1f} | {max(r[1] for r in rows):.1f} |")
+    tests = os.path.join(out, "tests.log")
+    if os.path.exists(tests):
+        lines = [ln.strip() for ln in _lines(tests) if ln.strip()]
+        failed = [ln for ln in lines if ln.startswith("FAILED")]
+        print("\nGPU tests: " + (lines[-1] if lines else "no output") + "".join(f"\n- {f}" for f in failed))
     return 0
 
 
