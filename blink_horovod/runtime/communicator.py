@@ -116,7 +116,40 @@ def resolve_topology(local_size: int, config: Config, device: str = "cpu") -> To
         return topo
     if device == "cpu":
         return machines.cpu(local_size)
-    raise ConfigError(f"{BLINK_TOPOLOGY}: unset, and probing GPUs is not part of the CPU runtime (device {device!r})")
+    raise ConfigError(f"{BLINK_TOPOLOGY}: unset, and device {device!r} has no prober")
+
+
+def probe_server(local_rank: int, local_size: int, rendezvous: Rendezvous | None) -> Topology:
+    """The server's GPUs, found by its ranks (``BLINK_TOPOLOGY`` unset, CUDA tensors): each rank names the
+    PCI bus id of its current device, local rank 0 reads NVML once and finds those GPUs among the
+    machine's (:func:`~blink_horovod.topology.allocation.server_topology`), and every rank adopts rank 0's
+    answer.  One line per server at info level says what was found; NVML unreadable is one warning."""
+    from ..topology.allocation import server_topology
+    from ..topology.model import Topology as _Topology
+    from .gpu.device import current_bus_id
+
+    bus = current_bus_id()
+    buses = rendezvous.allgather(bus) if rendezvous is not None else [bus]
+    answer = None
+    if local_rank == 0:
+        from ..errors import TopologyError
+        from ..topology.probe import local_facts
+
+        facts, why = None, ""
+        try:
+            facts = local_facts(None)  # every GPU: ranks may see different CUDA_VISIBLE_DEVICES
+        except TopologyError as exc:
+            why = str(exc)
+        topo, desc = server_topology(facts, buses, why)
+        if topo.name.startswith("unprobed"):
+            log.warning("Blink: %s", desc)
+        else:
+            log.info("Blink: %s (BLINK_TOPOLOGY unset)", desc)
+        answer = topo.to_json(indent=None)
+    if rendezvous is not None:
+        answer = rendezvous.allgather(answer)[0]
+    assert answer is not None
+    return _Topology.from_json(answer, source="probe")
 
 
 class Communicator:
@@ -169,6 +202,8 @@ class Communicator:
             raise ConfigError(f"local_rank: {local_rank} is not in 0..{local_size - 1}")
         self.local_rank, self.local_size = local_rank, local_size
         self.device = device
+        if topology is None and device == "cuda" and not self.config.topology:
+            topology = probe_server(local_rank, local_size, rendezvous)
         self.topology = topology if topology is not None else resolve_topology(local_size, self.config, device)
         if self.topology.n != local_size:
             raise ConfigError(f"topology: {self.topology.name!r} has {self.topology.n} GPUs, the server {local_size} ranks")
@@ -234,6 +269,9 @@ class Communicator:
             )
         digest = hashlib.sha1(plan.to_json(indent=None).encode()).hexdigest()[:16]
         entry = self._plans[key] = (plan, digest)
+        if self.local_rank == 0:
+            log.info("Blink: %s plan on %s: %d trees, %.1f GB/s (optimum %.1f GB/s)", key[0], self.topology.name,
+                     len(plan.trees), plan.rate_gbps, plan.optimum_gbps)
         return entry
 
     def program(self, plan: Plan, digest: str, count: int, chunk_elems: int, kind: str):

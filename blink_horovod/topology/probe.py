@@ -59,6 +59,7 @@ __all__ = [
     "GpuFacts",
     "NvLinkFacts",
     "NvmlFacts",
+    "local_facts",
     "probe_local",
     "read_nvml_facts",
     "topology_from_facts",
@@ -387,8 +388,9 @@ def read_nvml_facts(nvml: ModuleType, cuda_visible_devices: str | None = None) -
     return NvmlFacts(facts.gpus, ancestor, p2p, visible_gpus(cuda_visible_devices, facts.gpus))
 
 
-def probe_local(name: str = "local") -> Topology:
-    """This machine's GPUs and links, from NVML.
+def local_facts(cuda_visible_devices: str | None) -> NvmlFacts:
+    """What NVML says of this machine (``cuda_visible_devices`` picks and orders the GPUs, as CUDA does;
+    None: every GPU).
 
     Raises
     ------
@@ -406,10 +408,15 @@ def probe_local(name: str = "local") -> Topology:
     except pynvml.NVMLError as exc:
         raise TopologyError(f"no NVIDIA GPU found (NVML: {exc})") from None
     try:
-        facts = read_nvml_facts(pynvml, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return read_nvml_facts(pynvml, cuda_visible_devices)
     finally:
         try:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
-    return topology_from_facts(facts, name=name)
+
+
+def probe_local(name: str = "local") -> Topology:
+    """This machine's GPUs and links, from NVML (:func:`local_facts` under this process's
+    ``CUDA_VISIBLE_DEVICES``)."""
+    return topology_from_facts(local_facts(os.environ.get("CUDA_VISIBLE_DEVICES")), name=name)

@@ -20,7 +20,7 @@ import numpy as np
 
 from ...errors import BlinkInternalError, ConfigError
 
-__all__ = ["Cuda", "available", "device_pointer", "stream_pointer"]
+__all__ = ["Cuda", "available", "current_bus_id", "device_pointer", "stream_pointer"]
 
 
 def available() -> tuple[bool, str]:
@@ -72,6 +72,14 @@ def stream_pointer(stream: Any) -> int:
         if v is not None:
             return int(v)
     raise ConfigError(f"stream: expected a CUDA stream (CuPy, torch or int), got {type(stream).__name__}")
+
+
+def current_bus_id() -> str:
+    """PCI bus id of the calling thread's current CUDA device (the GPU this rank uses)."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    return str(rt.deviceGetPCIBusId(rt.getDevice()))
 
 
 def device_count() -> int:
