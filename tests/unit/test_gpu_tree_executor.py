@@ -288,3 +288,15 @@ def test_a_timeout_found_by_the_kernel_is_reported_at_the_next_call() -> None:
             comm._executor.t.close()
 
     assert run_ranks(rank, n, timeout=60) == [True, True]
+
+
+def test_ranks_sharing_a_gpu_without_mps_are_warned(tmp_path, monkeypatch, caplog) -> None:
+    from blink_horovod.runtime.gpu import tree_executor
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not tree_executor.mps_active()
+    with caplog.at_level("WARNING", logger="blink_horovod.runtime"):
+        run(2, lambda r, comm, cuda: None)
+    assert any("without MPS" in r.message for r in caplog.records)
+    (tmp_path / "control").touch()
+    assert tree_executor.mps_active()

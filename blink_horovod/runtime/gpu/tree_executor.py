@@ -171,6 +171,10 @@ class TreeExecutor:
         a["timeout_ns"] = int(self.timeout * 1e9)
         log.debug("GPU executor: rank %d, %d ranks on its GPU (%d of them this rank's), %d blocks of %d threads",
                   self.rank, self.ranks_on_device, sharing, self.blocks, THREADS)
+        if sharing > 1 and self.rank == 0 and not mps_active():
+            log.warning("Blink: %d ranks share GPU %s without MPS: their kernels are time-sliced and every wait for a "
+                        "peer costs a slice; start the MPS daemon (nvidia-cuda-mps-control -d) before the job",
+                        sharing, mine["bus"])
 
     def _module(self, dtype: str) -> Any:
         mod = self._modules.get(dtype)
@@ -484,3 +488,10 @@ class _Replay:
                  argp: Any, grid: int, fn: Any) -> None:
         self.label, self.ptr, self.bid, self.payload, self.payloads = label, ptr, bid, payload, payloads
         self.args, self.argp, self.grid, self.fn = args, argp, grid, fn
+
+
+def mps_active(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is an MPS client: the MPS control daemon's pipe exists
+    (``CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``)."""
+    env = os.environ if env is None else env
+    return os.path.exists(os.path.join(env.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps", "control"))
