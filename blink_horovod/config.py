@@ -53,12 +53,12 @@ BLINK_FAULT = "BLINK_FAULT"
 # controller) yields the CPU when its polling finds nothing to do, as under mpi_yield_when_idle, and
 # goes back to its own setting afterwards: Horovod's background thread keeps polling its 1 ms
 # coordination allreduce during Blink's collectives, and without this it spins on the cores Blink's
-# ranks need (runtime/mpi_yield.py, docs/benchmarks.md).  1 (default) or 0 (leave Open MPI alone).
+# ranks need (ops/mpi_yield.py, docs/benchmarks.md).  1 (default) or 0 (leave Open MPI alone).
 BLINK_MPI_YIELD = "BLINK_MPI_YIELD"
 # While a Blink CPU collective runs, the threads Horovod's init started (its background thread, the MPI
 # library's threads) run at SCHED_IDLE, and get their policy back afterwards; only where the process may
 # give it back (CAP_SYS_NICE or RLIMIT_NICE >= 20, probed once), else never touched
-# (runtime/background.py).  1 (default) or 0.
+# (ops/background.py).  1 (default) or 0.
 BLINK_BACKGROUND_IDLE = "BLINK_BACKGROUND_IDLE"
 # The CPU runtime's large chunk copies (staging into the shared segment, results into the caller's tensor)
 # use streaming stores from a small C function compiled on first use (runtime/streamcopy.py): a plain copy

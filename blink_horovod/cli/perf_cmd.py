@@ -245,7 +245,7 @@ def _start_horovod(job: _Job, cfg) -> None:
     if 1 < local < size:
         # One process set per local rank index: the ranks of the cross-server stage.
         sets = [hvd.ProcessSet([s * local + i for s in range(size // local)]) for i in range(local)]
-    from ..runtime.background import noting_new_threads
+    from ..ops.background import noting_new_threads
 
     with noting_new_threads():  # Horovod's threads (also noted by the BLINK_ENABLE hook's init, if installed)
         hvd.init(process_sets=sets) if sets else hvd.init()
