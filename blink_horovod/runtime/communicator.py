@@ -286,24 +286,34 @@ class Communicator:
         agreed = min(rates) if all(isinstance(x, (int, float)) for x in rates) else None
         return max(1, self._chunks.chunk_bytes(nbytes, agreed, kind) // itemsize)
 
-    def _run(self, collective: str, name: str | None, arr: np.ndarray, flat: np.ndarray, dtype: str, op: str,
-             root: int | None, plan_key: tuple[str, int | None], make_pieces) -> None:
+    def _offer_plan(self, plan_key: tuple[str, int | None], extras: dict[str, Any]) -> tuple[Plan, str] | None:
+        """The cached plan and digest of ``plan_key``, or None when it is new: every rank knows that
+        (same history), and local rank 0 then adds its plan to its ``extras`` for all to adopt."""
         entry = self._plans.get(plan_key)
-        nbytes = flat.nbytes
-        bucket = (collective, bucket_of(nbytes))
-        # "t": this rank's throughput (bytes/s) of the previous message of the bucket.
-        extras: dict[str, Any] = {"t": self._last_rate.pop(bucket, None)}
         if entry is None and self.local_rank == 0:
-            # Every rank knows this plan is new (same history); rank 0's rides along.
             try:
                 extras["plan"] = self._make_plan(*plan_key).to_dict()
             except BaseException as exc:
                 self._executor.fail(exc)  # type: ignore[union-attr]  # peers raise now, not at their timeout
                 raise
+        return entry
+
+    def _agreed_plan(self, plan_key: tuple[str, int | None], entry: tuple[Plan, str] | None,
+                     all_extras: list[dict[str, Any]]) -> tuple[Plan, str]:
+        """The plan every rank runs: the cached ``entry``, else local rank 0's (:meth:`_offer_plan`)."""
+        return entry if entry is not None else self._adopt_plan(plan_key, Plan.from_dict(all_extras[0]["plan"]))
+
+    def _run(self, collective: str, name: str | None, arr: np.ndarray, flat: np.ndarray, dtype: str, op: str,
+             root: int | None, plan_key: tuple[str, int | None], make_pieces) -> None:
+        nbytes = flat.nbytes
+        bucket = (collective, bucket_of(nbytes))
+        # "t": this rank's throughput (bytes/s) of the previous message of the bucket.
+        extras: dict[str, Any] = {"t": self._last_rate.pop(bucket, None)}
+        entry = self._offer_plan(plan_key, extras)
         itemsize = flat.dtype.itemsize
 
         def build(all_extras: list[dict[str, Any]]) -> list[Piece]:
-            plan, digest = entry if entry is not None else self._adopt_plan(plan_key, Plan.from_dict(all_extras[0]["plan"]))
+            plan, digest = self._agreed_plan(plan_key, entry, all_extras)
             chunk = self._chunk_elems(all_extras, nbytes, itemsize, collective)
             return make_pieces(plan, digest, chunk)
 
@@ -327,19 +337,11 @@ class Communicator:
         with self._lock:
             if ex.replay(key, flat.ptr, flat.stream):  # type: ignore[union-attr]
                 return
-            entry = self._plans.get(plan_key)
             extras: dict[str, Any] = {}
-            if entry is None and self.local_rank == 0:
-                try:
-                    extras["plan"] = self._make_plan(*plan_key).to_dict()
-                except BaseException as exc:
-                    self._executor.fail(exc)  # type: ignore[union-attr]  # peers raise now, not at their timeout
-                    raise
+            entry = self._offer_plan(plan_key, extras)
 
             def plan_of(all_extras: list[dict[str, Any]]) -> tuple[Plan, str]:
-                if entry is not None:
-                    return entry
-                return self._adopt_plan(plan_key, Plan.from_dict(all_extras[0]["plan"]))
+                return self._agreed_plan(plan_key, entry, all_extras)
 
             self._executor.collective(  # type: ignore[union-attr]
                 self._label(collective, name), self._checked(collective, name, arr, dtype, op, root), extras,

@@ -131,16 +131,8 @@ class Executor:
         self.last_setup_free = False
 
     # -- the collective --------------------------------------------------------
-    def collective(
-        self,
-        label: str,
-        checked: Mapping[str, Any],
-        extras: Mapping[str, Any],
-        arr: np.ndarray,
-        dtype: str,
-        op: str,
-        build: Callable[[list[dict[str, Any]]], Sequence[Piece]],
-    ) -> list[dict[str, Any]]:
+    def collective(self, label: str, checked: Mapping[str, Any], extras: Mapping[str, Any], arr: np.ndarray,
+                   dtype: str, op: str, build: Callable[[list[dict[str, Any]]], Sequence[Piece]]) -> list[dict[str, Any]]:
         """Run one collective on the flat array ``arr`` (in place).
 
         ``build(extras_of_every_rank)`` returns the pieces once the ranks
@@ -195,18 +187,9 @@ class Executor:
             self.last_setup_free = not (grew or fresh)
             return all_extras
 
-    def eager_collective(
-        self,
-        label: str,
-        checked: Mapping[str, Any],
-        extras: Mapping[str, Any],
-        arr: np.ndarray,
-        dtype: str,
-        op: str,
-        kind: str,
-        root: int = 0,
-        segments: Sequence[tuple[int, int]] = (),
-    ) -> list[dict[str, Any]]:
+    def eager_collective(self, label: str, checked: Mapping[str, Any], extras: Mapping[str, Any], arr: np.ndarray,
+                         dtype: str, op: str, kind: str, root: int = 0,
+                         segments: Sequence[tuple[int, int]] = ()) -> list[dict[str, Any]]:
         """A small collective in one round: the data travel with the metadata.
 
         Each rank stages its input into its eager slot ``seq % 2`` *before*
