@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any
 
 from .errors import ConfigError
-from .units import parse_size
+from .units import parse_number, parse_size
 
 __all__ = [
     "BLINK_ENABLE",
@@ -131,30 +132,20 @@ def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     raise ConfigError(f"{name}: expected 1 or 0, got {env[name]!r}")
 
 
-def _positive_int(env: Mapping[str, str], name: str) -> int | None:
+def env_number(env: Mapping[str, str], name: str, kind: Callable[[str], Any], expected: str,
+               ok: Callable[[Any], bool], default: Any = None) -> Any:
+    """The variable ``name`` of ``env`` as :func:`~blink_horovod.units.parse_number` reads it;
+    ``default`` where it is unset or blank."""
     raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}: expected a positive integer, got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{name}: expected a positive integer, got {raw!r}")
-    return value
+    return parse_number(raw, name, kind, expected, ok) if raw else default
+
+
+def _positive_int(env: Mapping[str, str], name: str) -> int | None:
+    return env_number(env, name, int, "a positive integer", lambda v: v > 0)
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}: expected seconds (a positive number), got {raw!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name}: expected seconds (a positive number), got {raw!r}")
-    return value
+    return env_number(env, name, float, "seconds (a positive number)", lambda v: math.isfinite(v) and v > 0, default)
 
 
 def _fault(env: Mapping[str, str]) -> str | None:

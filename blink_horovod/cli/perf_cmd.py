@@ -42,7 +42,7 @@ import numpy as np
 
 from ..config import load_config
 from ..errors import ConfigError
-from ..units import parse_size
+from ..units import parse_number, parse_size
 
 __all__ = ["busbw_factor", "register", "run", "size_list"]
 
@@ -85,13 +85,7 @@ def register(subparsers: Any) -> None:
 
 # -- argument checking --------------------------------------------------------------
 def _int(text: str, flag: str, minimum: int) -> int:
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
-    if value < minimum:
-        raise ConfigError(f"{flag}: expected an integer >= {minimum}, got {text!r}")
-    return value
+    return parse_number(text, flag, int, f"an integer >= {minimum}", lambda v: v >= minimum)
 
 
 def size_list(minbytes: int, maxbytes: int, factor: int, stepbytes: int | None) -> list[int]:
