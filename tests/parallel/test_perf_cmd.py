@@ -77,7 +77,7 @@ def test_every_dtype_and_op_exact_on_three_ranks(tmp_path) -> None:
     assert "# Out of bounds values : 0 OK" in text
     data = json.loads(js.read_text())
     keys = {"impl", "collective", "size", "count", "type", "time_us", "algbw", "busbw", "wrong"}
-    assert data["rows"] and all(keys <= set(r) and r["wrong"] == 0 and r["impl"] == "blink" for r in data["rows"])
+    assert data["rows"] and all(keys <= set(r) and r["wrong"] == 0 and r["impl"] == "raw" for r in data["rows"])
     assert {r["type"] for r in data["rows"]} == {"float", "double", "half", "bfloat16", "int32", "int64", "int8",
                                                  "uint8", "int16"}
 
@@ -109,7 +109,9 @@ def test_corruption_is_counted_and_exit_is_non_zero(tmp_path) -> None:
         (["--device", "cuda"], "--device: cuda is not usable here"),
         (["-b", "1M", "-e", "1K"], "-e: maxbytes 1024 is below minbytes 1048576"),
         (["-n", "0"], "-n: expected an integer >= 1, got '0'"),
-        (["--impl", "nccl"], "--impl: expected blink, horovod or both, got 'nccl'"),
+        (["--impl", "nccl"], "--impl: expected blink, raw, horovod or both, got 'nccl'"),
+        (["--impl", "blink", "--rendezvous-dir", "d", "--rank", "0", "--nranks", "1"],
+         "--impl: blink and horovod need Horovod"),
         (["-b", "lots"], "-b: not a size"),
     ],
 )
