@@ -85,6 +85,16 @@ static int stack_push(Stack *s, int32_t x) {
     return 0;
 }
 
+/* Each task of `from` (emptied) goes to `to` at t + delay[i]: at once when there is no delay,
+ * else by the heap event (time, event, task).  Nonzero when out of memory. */
+static int wait_or_pass(Stack *from, const double *delay, double t, int64_t event, Heap *heap, Stack *to) {
+    while (from->n) {
+        int32_t i = from->a[--from->n];
+        if (delay[i] > 0.0 ? heap_push(heap, t + delay[i], event, i) : stack_push(to, i)) return -1;
+    }
+    return 0;
+}
+
 #define PUSH(s, x) do { if (stack_push(&(s), (x))) goto oom; } while (0)
 #define HPUSH(t, v, i) do { if (heap_push(&heap, (t), (v), (i))) goto oom; } while (0)
 
@@ -133,11 +143,7 @@ int64_t blink_fluid_run(
 
     for (;;) {
         while (ready.n || moving.n || moved.n || over.n) {
-            while (ready.n) {
-                int32_t i = ready.a[--ready.n];
-                if (lat[i] > 0.0) HPUSH(t + lat[i], -1, i);
-                else PUSH(moving, i);
-            }
+            if (wait_or_pass(&ready, lat, t, -1, &heap, &moving)) goto oom;
             while (moving.n) {
                 int32_t i = moving.a[--moving.n];
                 if (nbytes[i] > 0.0) {
@@ -152,11 +158,7 @@ int64_t blink_fluid_run(
                     }
                 } else PUSH(moved, i);
             }
-            while (moved.n) {
-                int32_t i = moved.a[--moved.n];
-                if (tail[i] > 0.0) HPUSH(t + tail[i], -2, i);
-                else PUSH(over, i);
-            }
+            if (wait_or_pass(&moved, tail, t, -2, &heap, &over)) goto oom;
             while (over.n) {
                 int32_t i = over.a[--over.n];
                 finish[i] = t;
