@@ -50,13 +50,13 @@ BLINK_LOG_LEVEL = "BLINK_LOG_LEVEL"
 # Fault injection for the reliability tests only (see runtime.faults):
 # "ACTION:after=K[:rank=R]" with ACTION in kill, raise, stall, corrupt.
 BLINK_FAULT = "BLINK_FAULT"
-# While a Blink CPU collective runs, the Open MPI already loaded in the process (Horovod's MPI
+# While the ops layer runs a Blink CPU collective, the Open MPI already loaded in the process (Horovod's MPI
 # controller) yields the CPU when its polling finds nothing to do, as under mpi_yield_when_idle, and
 # goes back to its own setting afterwards: Horovod's background thread keeps polling its 1 ms
 # coordination allreduce during Blink's collectives, and without this it spins on the cores Blink's
 # ranks need (ops/mpi_yield.py, docs/benchmarks.md).  1 (default) or 0 (leave Open MPI alone).
 BLINK_MPI_YIELD = "BLINK_MPI_YIELD"
-# While a Blink CPU collective runs, the threads Horovod's init started (its background thread, the MPI
+# While the ops layer runs a Blink CPU collective, the threads Horovod's init started (its background thread, the MPI
 # library's threads) run at SCHED_IDLE, and get their policy back afterwards; only where the process may
 # give it back (CAP_SYS_NICE or RLIMIT_NICE >= 20, probed once), else never touched
 # (ops/background.py).  1 (default) or 0.
