@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from blink_horovod.cli.perf_cmd import busbw_factor, size_list
+from blink_horovod.cli.perf_cmd import _impls, busbw_factor, size_list
+from blink_horovod.errors import ConfigError
 
 pytestmark = [pytest.mark.parallel, pytest.mark.timeout(300)]
 
@@ -59,6 +60,19 @@ def test_sizes_and_factors() -> None:
     assert size_list(8, 40, 2, 16) == [8, 24, 40]
     assert busbw_factor("allreduce", 4) == 1.5 and busbw_factor("broadcast", 4) == 1.0
     assert busbw_factor("allreduce", 1) == 1.0
+
+
+def test_impl_lists_and_defaults(monkeypatch) -> None:
+    monkeypatch.delenv("HOROVOD_RANK", raising=False)
+    monkeypatch.delenv("HOROVOD_HOSTNAME", raising=False)
+    assert _impls(None, "cpu") == ["raw"]  # no Horovod: the communicator alone
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    assert _impls(None, "cpu") == ["blink"]  # under Horovod: the call users make
+    assert _impls(None, "cuda") == ["raw"]
+    assert _impls("both", "cpu") == ["blink", "horovod"]
+    assert _impls("raw, both,blink", "cpu") == ["raw", "blink", "horovod"]
+    with pytest.raises(ConfigError, match="--impl: expected blink, raw, horovod or both"):
+        _impls("blink,nccl", "cpu")
 
 
 def test_every_dtype_and_op_exact_on_three_ranks(tmp_path) -> None:
