@@ -102,6 +102,27 @@ def test_switched_off_by_the_variable(fake_setter):
     assert fake_setter["calls"] == []
 
 
+def test_only_the_communicators_collectives_are_quieted(fake_setter):
+    from blink_horovod.ops.quiet import Quiet, QuietCommunicator
+
+    class Comm:
+        local_rank = 1
+        transport = "the transport"
+
+        def allreduce(self, arr, op="sum", name=None):
+            return fake_setter["value"], op, name
+
+        def topology_name(self):
+            return fake_setter["value"]
+
+    comm = QuietCommunicator(Comm(), Quiet())
+    assert comm.allreduce(None, "max", name="x") == (True, "max", "x")  # yielding inside
+    assert comm.topology_name() is False  # not a collective: passed through as it is
+    assert (comm.local_rank, comm.transport) == (1, "the transport")
+    assert QuietCommunicator(Comm(), Quiet(mpi_yield=False)).allreduce(None)[0] is False
+    assert fake_setter["value"] is False
+
+
 def test_config_variable():
     assert load_config({}).mpi_yield is True
     assert load_config({BLINK_MPI_YIELD: "0"}).mpi_yield is False
