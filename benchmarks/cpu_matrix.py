@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / ".venv" / "bin"
+from perf_runs import ROOT, VENV, run_perf
+
 RANDOM_SEED = 4
 TOPOLOGIES = ("flat", "dgx1v:0,1,2,3", "random")
 COLLECTIVES = ("allreduce", "broadcast")
@@ -122,14 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd = perf_command(args, coll, js, root)
             start = time.monotonic()
             print(f"[cpu_matrix] {topo} {what}: {' '.join(cmd)}", flush=True)
-            with open(log, "w") as fh:
-                try:
-                    rc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                                        timeout=args.timeout, check=False).returncode
-                except subprocess.TimeoutExpired:
-                    rc = 124
+            rc, rows = run_perf(cmd, env, log, js, args.timeout)
             seconds = time.monotonic() - start
-            rows = json.loads(js.read_text())["rows"] if js.exists() else []
             run = {"topology": topo, "collective": what, "exit": rc, "seconds": round(seconds, 1),
                    "env_topology": env.get("BLINK_TOPOLOGY"), "command": cmd, "summary": summarise(rows)}
             summary["runs"].append(run)

@@ -28,13 +28,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / ".venv" / "bin"
+from perf_runs import ROOT, VENV, run_perf
+
 CONFIGS = ("gloo", "mpi", "mpirun")
 BIG = 64 << 20
 
@@ -128,13 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             load = os.getloadavg()
             print(f"[cpu_speed] {config} #{k}: {' '.join(cmd)}", flush=True)
             t0 = time.monotonic()
-            with open(log, "w") as fh:
-                try:
-                    rc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                                        timeout=args.timeout, check=False).returncode
-                except subprocess.TimeoutExpired:
-                    rc = 124
-            rows = json.loads(js.read_text())["rows"] if js.exists() else []
+            rc, rows = run_perf(cmd, env, log, js, args.timeout)
             run = {"config": config, "repeat": k, "exit": rc, "seconds": round(time.monotonic() - t0, 1),
                    "load_before": [round(x, 2) for x in load], "load_after": [round(x, 2) for x in os.getloadavg()],
                    "command": cmd, **digest(rows)}

@@ -6,17 +6,26 @@
 Prints per rank the wall and CPU time per allreduce and, per thread that used CPU, its CPU per
 allreduce (``/proc/self/task``) and voluntary/involuntary context switches: Horovod's background
 thread is the one started by ``hvd.init`` (listed as registered).  PROBE_MODE=yield|idle|nice set the
-quieting by hand on every non-main thread (the experiments before the runtime did it itself).
+quieting by hand on every non-main thread (the experiments before the ops layer did it itself).
 """
-import os, sys, time, threading
-import numpy as np
+import os
+import sys
+import threading
+import time
+
 import horovod.torch as hvd
+import numpy as np
+
 hvd.init()
+from blink_horovod.ops.quiet import Quiet, QuietCommunicator
+
+from blink_horovod.config import load_config
 from blink_horovod.runtime import rendezvous as rdv
 from blink_horovod.runtime.communicator import Communicator
-from blink_horovod.config import load_config
+
 cfg = load_config()
 comm = Communicator(hvd.local_rank(), hvd.local_size(), None, rdv.from_horovod(hvd, cfg), cfg)
+comm = QuietCommunicator(comm, Quiet.of(cfg))  # as the ops layer runs it
 size = int(os.environ.get("PROBE_BYTES", 64 << 20))
 x = np.ones(size // 4, np.float32)
 def threads():
@@ -40,6 +49,7 @@ def ctxsw():
     return out
 mode = os.environ.get("PROBE_MODE", "none")
 import ctypes
+
 if "yield" in mode:
     pal = ctypes.CDLL("libopen-pal.so.40")
     pal.opal_progress_set_yield_when_idle.argtypes = [ctypes.c_bool]
@@ -66,7 +76,8 @@ wall = (time.perf_counter() - t) / n * 1e3
 cpu = (time.process_time() - p) / n * 1e3
 b, c1 = threads(), ctxsw()
 tick = os.sysconf("SC_CLK_TCK")
-from blink_horovod.runtime import background as _bg
+from blink_horovod.ops import background as _bg
+
 lines = [f"registered {sorted(_bg.registered())} " + f"rank {hvd.rank()}: wall {wall:.1f} ms cpu {cpu:.1f} ms per allreduce"]
 for tid in b:
     if tid in a and b[tid][1] - a[tid][1] > 0:

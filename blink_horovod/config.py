@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any
 
 from .errors import ConfigError
-from .units import parse_size
+from .units import parse_number, parse_size
 
 __all__ = [
     "BLINK_ENABLE",
@@ -49,16 +50,16 @@ BLINK_LOG_LEVEL = "BLINK_LOG_LEVEL"
 # Fault injection for the reliability tests only (see runtime.faults):
 # "ACTION:after=K[:rank=R]" with ACTION in kill, raise, stall, corrupt.
 BLINK_FAULT = "BLINK_FAULT"
-# While a Blink CPU collective runs, the Open MPI already loaded in the process (Horovod's MPI
+# While the ops layer runs a Blink CPU collective, the Open MPI already loaded in the process (Horovod's MPI
 # controller) yields the CPU when its polling finds nothing to do, as under mpi_yield_when_idle, and
 # goes back to its own setting afterwards: Horovod's background thread keeps polling its 1 ms
 # coordination allreduce during Blink's collectives, and without this it spins on the cores Blink's
-# ranks need (runtime/mpi_yield.py, docs/benchmarks.md).  1 (default) or 0 (leave Open MPI alone).
+# ranks need (ops/mpi_yield.py, docs/benchmarks.md).  1 (default) or 0 (leave Open MPI alone).
 BLINK_MPI_YIELD = "BLINK_MPI_YIELD"
-# While a Blink CPU collective runs, the threads Horovod's init started (its background thread, the MPI
+# While the ops layer runs a Blink CPU collective, the threads Horovod's init started (its background thread, the MPI
 # library's threads) run at SCHED_IDLE, and get their policy back afterwards; only where the process may
 # give it back (CAP_SYS_NICE or RLIMIT_NICE >= 20, probed once), else never touched
-# (runtime/background.py).  1 (default) or 0.
+# (ops/background.py).  1 (default) or 0.
 BLINK_BACKGROUND_IDLE = "BLINK_BACKGROUND_IDLE"
 # The CPU runtime's large chunk copies (staging into the shared segment, results into the caller's tensor)
 # use streaming stores from a small C function compiled on first use (runtime/streamcopy.py): a plain copy
@@ -131,30 +132,20 @@ def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     raise ConfigError(f"{name}: expected 1 or 0, got {env[name]!r}")
 
 
-def _positive_int(env: Mapping[str, str], name: str) -> int | None:
+def env_number(env: Mapping[str, str], name: str, kind: Callable[[str], Any], expected: str,
+               ok: Callable[[Any], bool], default: Any = None) -> Any:
+    """The variable ``name`` of ``env`` as :func:`~blink_horovod.units.parse_number` reads it;
+    ``default`` where it is unset or blank."""
     raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}: expected a positive integer, got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{name}: expected a positive integer, got {raw!r}")
-    return value
+    return parse_number(raw, name, kind, expected, ok) if raw else default
+
+
+def _positive_int(env: Mapping[str, str], name: str) -> int | None:
+    return env_number(env, name, int, "a positive integer", lambda v: v > 0)
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}: expected seconds (a positive number), got {raw!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name}: expected seconds (a positive number), got {raw!r}")
-    return value
+    return env_number(env, name, float, "seconds (a positive number)", lambda v: math.isfinite(v) and v > 0, default)
 
 
 def _fault(env: Mapping[str, str]) -> str | None:

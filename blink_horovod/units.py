@@ -1,4 +1,4 @@
-"""Sizes and rates as nccl-tests writes them.
+"""Sizes and rates as nccl-tests writes them, and the numbers of options and variables.
 
 Sizes take the suffixes K, M, G (2**10, 2**20, 2**30 bytes); rates are GB/s
 (10**9 bytes/s), as in docs/formats.md, Commands.
@@ -8,15 +8,34 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
+from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["parse_size", "format_size", "GB"]
+__all__ = ["GB", "format_size", "parse_number", "parse_size"]
 
 GB = 1e9  # bytes per GB (rates are decimal, as nccl-tests reports them)
 
 _SUFFIX = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_number(text: Any, field: str, kind: Callable[[str], Any] = int, expected: str = "an integer",
+                 ok: Callable[[Any], bool] = lambda value: True) -> Any:
+    """``text`` as a number of ``kind`` (``int`` or ``float``) that ``ok`` accepts; else ConfigError
+    ``"<field>: expected <expected>, got <text>"``.
+
+    >>> parse_number(" 3 ", "-n", ok=lambda v: v >= 1)
+    3
+    """
+    try:
+        value = kind(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"{field}: expected {expected}, got {text!r}") from None
+    if not ok(value):
+        raise ConfigError(f"{field}: expected {expected}, got {text!r}")
+    return value
 
 
 def parse_size(text: str | int, field: str = "size") -> int:

@@ -21,9 +21,9 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--save", default="")
+    ap.add_argument("--steps", type=int, default=15, help="optimizer steps")
+    ap.add_argument("--batch", type=int, default=32, help="examples per rank and step")
+    ap.add_argument("--save", default="", help="rank 0 saves the trained weights here (.npz)")
     args = ap.parse_args()
 
     hvd.init()

@@ -28,6 +28,8 @@ Module map (one idea each):
 - :mod:`.negotiation`   the name-keyed agreement across ranks per round (mismatches, ``join``)
 - :mod:`.engine`        the background thread, handles, ``poll`` / ``synchronize``
 - :mod:`.hierarchical`  the three-stage allreduce and the two-stage broadcast
+- :mod:`.quiet`         Horovod's threads kept quiet during each Blink collective
+  (:mod:`.mpi_yield`, :mod:`.background`, :mod:`.outermost`)
 - :mod:`.fusion`        fixed gradient buckets (DDP-style) and flat buffers
 - :mod:`.fallback`      what goes to stock Horovod, counted and logged once per kind
 - :mod:`.errors_bridge` Blink's errors raised as Horovod's ``HorovodInternalError``

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import Config, load_config
-from ..runtime.background import forget as forget_threads
-from ..runtime.background import noting_new_threads
+from .background import forget as forget_threads
+from .background import noting_new_threads
 from .context import (
     BlinkContext,
     add_missing_sets,

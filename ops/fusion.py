@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..config import env_number
 
 __all__ = ["DEFAULT_FUSION_THRESHOLD", "fusion_threshold", "plan_buckets", "BucketTracker", "FlatBuffer",
            "group_by_dtype"]
@@ -33,17 +33,8 @@ DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024
 
 def fusion_threshold(env: Mapping[str, str] | None = None) -> int:
     """``HOROVOD_FUSION_THRESHOLD`` in bytes (0 disables fusion), default 128 MiB as Horovod's."""
-    env = os.environ if env is None else env
-    raw = env.get("HOROVOD_FUSION_THRESHOLD", "").strip()
-    if not raw:
-        return DEFAULT_FUSION_THRESHOLD
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"HOROVOD_FUSION_THRESHOLD: expected bytes (an integer), got {raw!r}") from None
-    if value < 0:
-        raise ConfigError(f"HOROVOD_FUSION_THRESHOLD: expected bytes >= 0, got {raw!r}")
-    return value
+    return env_number(os.environ if env is None else env, "HOROVOD_FUSION_THRESHOLD", int,
+                      "bytes (an integer >= 0)", lambda v: v >= 0, DEFAULT_FUSION_THRESHOLD)
 
 
 def plan_buckets(nbytes: Sequence[int], threshold: int) -> list[list[int]]:

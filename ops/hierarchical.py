@@ -8,6 +8,9 @@ Horovod process set of the same local rank on every server (a
 :class:`CrossTransport` a framework adapter provides).  Single-server jobs run
 ``Communicator.allreduce``; servers of one rank run the cross stage alone.
 
+Each Blink collective it runs on the server's communicator runs quieted
+(:mod:`.quiet`): Horovod's own threads keep off the cores meanwhile.
+
 The segment of local rank ``i`` is a byte range fixed by the plan format
 (docs/formats.md: the i-th GPU roots the i-th contiguous 1/n), so servers
 with different topologies, and so different trees, still meet in stage 2.
@@ -22,6 +25,7 @@ import numpy as np
 
 from ..runtime.hierarchical import hierarchical_allreduce, hierarchical_broadcast
 from .layout import Layout
+from .quiet import Quiet, QuietCommunicator
 
 __all__ = ["CrossTransport", "Hierarchy", "IntraCommunicator"]
 
@@ -57,11 +61,19 @@ class Hierarchy:
         This server's Blink communicator (None when the server has one rank).
     cross:
         Horovod on the cross-server process sets (None for a single-server job).
+    quiet:
+        How Horovod's threads are kept quiet during ``intra``'s collectives
+        (default: as ``intra.config`` says, ``BLINK_MPI_YIELD`` and
+        ``BLINK_BACKGROUND_IDLE``).
     """
 
-    def __init__(self, layout: Layout, intra: IntraCommunicator | None, cross: CrossTransport | None) -> None:
+    def __init__(self, layout: Layout, intra: IntraCommunicator | None, cross: CrossTransport | None,
+                 quiet: Quiet | None = None) -> None:
         self.layout = layout
-        self.intra = intra
+        self.intra: IntraCommunicator | None = None
+        if intra is not None:
+            q = quiet if quiet is not None else Quiet.of(getattr(intra, "config", None))
+            self.intra = QuietCommunicator(intra, q)  # type: ignore[assignment]
         self.cross = cross if layout.multi_server else None
 
     def allreduce(self, flat: np.ndarray, op: str, tag: str) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..config import BLINK_LOCAL_SIZE
+from ..config import BLINK_LOCAL_SIZE, env_number
 from ..errors import ConfigError
 
 __all__ = ["Layout", "layout_from_env", "layout_from_horovod", "verify_contiguous"]
@@ -97,27 +97,13 @@ class Layout:
 
 
 def _int(env: Mapping[str, str], *names: str) -> int | None:
-    for name in names:
-        raw = env.get(name, "").strip()
-        if raw:
-            try:
-                return int(raw)
-            except ValueError:
-                raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
-    return None
+    """The first of ``names`` set in ``env``, as an integer."""
+    name = next((n for n in names if env.get(n, "").strip()), None)
+    return None if name is None else env_number(env, name, int, "an integer", lambda v: True)
 
 
 def _blink_local_size(env: Mapping[str, str]) -> int | None:
-    raw = env.get(BLINK_LOCAL_SIZE, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{BLINK_LOCAL_SIZE}: expected a positive integer, got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{BLINK_LOCAL_SIZE}: expected a positive integer, got {raw!r}")
-    return value
+    return env_number(env, BLINK_LOCAL_SIZE, int, "a positive integer", lambda v: v > 0)
 
 
 def layout_from_env(env: Mapping[str, str]) -> Layout | None:

@@ -8,10 +8,19 @@ redop root time algbw busbw #wrong``; ``busbw`` is ``algbw * 2(n-1)/n`` for
 allreduce and ``algbw`` for broadcast (nccl-tests ``doc/PERFORMANCE.md``).
 ``time`` is the slowest rank's mean time per iteration.
 
-``--impl both`` runs every size through Blink and through stock Horovod
-(``hvd.allreduce_``/``hvd.broadcast_`` on torch CPU tensors, stepping around any
-``BLINK_ENABLE`` hook) in the same run, their columns side by side, as
-nccl-tests puts out-of-place and in-place side by side.
+What is timed (``--impl``, a comma-separated list):
+
+- ``blink``: the call users make, ``hvd.allreduce_``/``hvd.broadcast_`` on
+  torch CPU tensors with Blink enabled (as ``BLINK_ENABLE=1``): Horovod's API,
+  the ops layer's engine and hierarchy, the communicator.  Needs Horovod
+  (``horovodrun``/``blinkrun``); the default there.
+- ``raw``: Blink's communicator called directly (and, across servers, the
+  three stages with the cross-server stage on Horovod or MPI): no Horovod
+  API, no engine.  The default where there is no Horovod (ranks started by
+  hand, ``mpirun`` with mpi4py) and the only one on CUDA tensors.
+- ``horovod``: stock Horovod, the same calls stepping around Blink.
+- ``both``: ``blink,horovod``, in the same run, their columns side by side, as
+  nccl-tests puts out-of-place and in-place side by side.
 
 Ranks come from Horovod (under ``horovodrun``/``blinkrun``), from mpi4py
 (under ``mpirun`` where Horovod is not built), from a directory of files
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -42,11 +52,11 @@ import numpy as np
 
 from ..config import load_config
 from ..errors import ConfigError
-from ..units import parse_size
+from ..units import parse_number, parse_size
 
 __all__ = ["busbw_factor", "register", "run", "size_list"]
 
-IMPLS = ("blink", "horovod", "both")
+IMPLS = ("blink", "raw", "horovod")
 COLLECTIVES = ("allreduce", "broadcast")
 
 
@@ -74,7 +84,10 @@ def register(subparsers: Any) -> None:
                    help="float32 (float), float64 (double), float16 (half), bfloat16, int32, int64, int8, uint8, "
                         "int16, or all (default float32)")
     p.add_argument("-r", "--root", default="0", help="broadcast root rank (default 0)")
-    p.add_argument("--impl", default="blink", help="blink (default), horovod, or both side by side")
+    p.add_argument("--impl", default=None,
+                   help="what to time, a comma-separated list: blink (hvd.allreduce_ with Blink enabled; the default "
+                        "under Horovod), raw (Blink's communicator alone; the default elsewhere), horovod (stock), "
+                        "or both (blink,horovod side by side)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the rows as JSON (rank 0, atomically)")
     p.add_argument("--rendezvous-dir", default=None, help="ranks started by hand: a directory they share")
@@ -85,13 +98,7 @@ def register(subparsers: Any) -> None:
 
 # -- argument checking --------------------------------------------------------------
 def _int(text: str, flag: str, minimum: int) -> int:
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
-    if value < minimum:
-        raise ConfigError(f"{flag}: expected an integer >= {minimum}, got {text!r}")
-    return value
+    return parse_number(text, flag, int, f"an integer >= {minimum}", lambda v: v >= minimum)
 
 
 def size_list(minbytes: int, maxbytes: int, factor: int, stepbytes: int | None) -> list[int]:
@@ -131,6 +138,20 @@ class _Args:
     device: str = "cpu"
 
 
+def _impls(text: str | None, device: str) -> list[str]:
+    """``--impl`` as a list (module docstring); unset: ``blink`` under Horovod on CPU tensors, else ``raw``."""
+    if text is None:
+        return ["blink"] if _under_horovod() and device == "cpu" else ["raw"]
+    impls: list[str] = []
+    for word in str(text).strip().lower().split(","):
+        for impl in ("blink", "horovod") if word.strip() == "both" else (word.strip(),):
+            if impl not in IMPLS:
+                raise ConfigError(f"--impl: expected blink, raw, horovod or both, got {text!r}")
+            if impl not in impls:
+                impls.append(impl)
+    return impls
+
+
 def _parse(args: argparse.Namespace) -> _Args:
     from ..runtime.dtypes import DTYPES, OPS, canonical_dtype, check_op
 
@@ -145,21 +166,19 @@ def _parse(args: argparse.Namespace) -> _Args:
     collective = str(args.collective).strip().lower()
     if collective not in COLLECTIVES:
         raise ConfigError(f"--collective: expected allreduce or broadcast, got {args.collective!r}")
-    impl = str(args.impl).strip().lower()
-    if impl not in IMPLS:
-        raise ConfigError(f"--impl: expected blink, horovod or both, got {args.impl!r}")
     device = str(args.device).strip().lower()
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device: expected cpu or cuda, got {args.device!r}")
+    impls = _impls(args.impl, device)
     if device == "cuda":
         from ..runtime.gpu.device import available
 
         ok, why = available()
         if not ok:
             raise ConfigError(f"--device: cuda is not usable here ({why}); use --device cpu")
-        if impl != "blink":
-            raise ConfigError(f"--impl: {impl} with --device cuda: blink perf times stock Horovod on CPU tensors "
-                              "only; use --impl blink (and nccl-tests for NCCL)")
+        if impls != ["raw"]:
+            raise ConfigError(f"--impl: {','.join(impls)} with --device cuda: blink perf times Blink's communicator "
+                              "alone on CUDA tensors; use --impl raw (and nccl-tests for NCCL)")
     check = _int(args.check, "-c", 0)
     if check not in (0, 1):
         raise ConfigError(f"-c: expected 0 or 1, got {args.check!r}")
@@ -184,7 +203,7 @@ def _parse(args: argparse.Namespace) -> _Args:
         ops=ops,
         dtypes=dtypes,
         root=_int(args.root, "-r", 0),
-        impls=["blink", "horovod"] if impl == "both" else [impl],
+        impls=impls,
         json_path=args.json,
         factor_text=f"{stepbytes}(bytes)" if stepbytes else f"{factor}(factor)",
         minbytes=minbytes,
@@ -208,7 +227,8 @@ class _Job:
     mpi: Any = None  # mpi4py world communicator
     mpi_cross: Any = None  # mpi4py: my local rank's communicator across servers
     rendezvous: Any = None
-    comm: Any = None  # the Blink communicator
+    comm: Any = None  # the Blink communicator of --impl raw, perf's own
+    blink_comm: Any = None  # the ops layer's Blink communicator (--impl blink; None on a server of one rank)
     gather: Callable[[Any], list] = lambda obj: [obj]
 
     def server_of(self, rank: int) -> tuple[int, int]:
@@ -245,7 +265,7 @@ def _start_horovod(job: _Job, cfg) -> None:
     if 1 < local < size:
         # One process set per local rank index: the ranks of the cross-server stage.
         sets = [hvd.ProcessSet([s * local + i for s in range(size // local)]) for i in range(local)]
-    from ..runtime.background import noting_new_threads
+    from ..ops.background import noting_new_threads
 
     with noting_new_threads():  # Horovod's threads (also noted by the BLINK_ENABLE hook's init, if installed)
         hvd.init(process_sets=sets) if sets else hvd.init()
@@ -262,7 +282,30 @@ def _start_horovod(job: _Job, cfg) -> None:
             "set BLINK_LOCAL_SIZE"
         )
     job.launcher = "horovod"
-    job.gather = lambda obj: hvd.allgather_object(obj)
+
+    def gather(obj: Any) -> list:
+        with _bypass():  # perf's bookkeeping, not a collective to count as one Blink sends to Horovod
+            return hvd.allgather_object(obj)
+
+    job.gather = gather
+
+
+def _enable_blink() -> None:
+    """Blink under ``horovod.torch`` as ``BLINK_ENABLE=1`` puts it there (before ``hvd.init``)."""
+    from ..ops import hook
+
+    os.environ["BLINK_ENABLE"] = "1"
+    hook.install()
+
+
+def _blink_context(job: _Job) -> None:
+    """After ``hvd.init``: the ops layer's communicator, or why Blink stays out of the job."""
+    from ..ops import torch_ops
+
+    ctx = torch_ops.context()
+    if ctx is None:
+        raise ConfigError(f"--impl blink: Blink stays out of this job ({torch_ops.disabled_reason()})")
+    job.blink_comm = ctx.communicator
 
 
 def _make_job(a: _Args, args: argparse.Namespace, cfg) -> _Job:
@@ -276,18 +319,24 @@ def _make_job(a: _Args, args: argparse.Namespace, cfg) -> _Job:
         r = _int(args.rank, "--rank", 0)
         if r >= n:
             raise ConfigError(f"--rank: {r} is not below --nranks {n}")
-        if "horovod" in a.impls:
-            raise ConfigError("--impl: stock Horovod needs horovodrun; ranks started by hand run --impl blink")
+        if "raw" not in a.impls or len(a.impls) > 1:
+            raise ConfigError("--impl: blink and horovod need Horovod (horovodrun, blinkrun); ranks started by hand "
+                              "run --impl raw")
         job.rendezvous = rdv.FileRendezvous(args.rendezvous_dir, r, n, cfg.timeout_seconds)
         job.rank = job.local_rank = r
         job.size = job.local_size = n
         job.launcher = "files"
         job.gather = lambda obj: job.rendezvous.allgather(obj)
         return job
-    if _under_horovod() or "horovod" in a.impls:
+    if _under_horovod() or {"blink", "horovod"} & set(a.impls):
+        if "blink" in a.impls:
+            _enable_blink()
         _start_horovod(job, cfg)
         if "blink" in a.impls:
-            job.rendezvous = rdv.from_horovod(job.hvd, cfg)
+            _blink_context(job)
+        if "raw" in a.impls:
+            with _bypass():  # its allgather is perf's own, not the user's
+                job.rendezvous = rdv.from_horovod(job.hvd, cfg)
         return job
     if _under_mpi():
         from mpi4py import MPI
@@ -395,8 +444,8 @@ def _cross_broadcast(job: _Job, dtype: str, root: int, name: str) -> Callable[[n
     raise ConfigError("several servers need Horovod or MPI for the cross-server stage")
 
 
-def _blink_step(job: _Job, a: _Args, dtype: str, op: str, name: str) -> tuple[Callable[[np.ndarray], None], Callable[[], None]]:
-    """(one collective on an array, barrier) through Blink."""
+def _raw_step(job: _Job, a: _Args, dtype: str, op: str, name: str) -> tuple[Callable[[np.ndarray], None], Callable[[], None]]:
+    """(one collective on an array, barrier) through Blink's communicator alone (``--impl raw``)."""
     from ..runtime.hierarchical import hierarchical_allreduce, hierarchical_broadcast
 
     comm = job.comm
@@ -423,24 +472,33 @@ def _blink_step(job: _Job, a: _Args, dtype: str, op: str, name: str) -> tuple[Ca
     return step, barrier
 
 
-_HVD_TYPES = {"float16", "float32", "float64", "int32", "int64"}  # what horovod.torch reduces on CPU here
+_HVD_TYPES = {"float16", "float32", "float64", "int32", "int64"}  # what stock horovod.torch reduces on CPU here
+# The same calls with Blink: Horovod's own argument check stays (it refuses bfloat16 CPU tensors), and the
+# ops layer carries the 8- and 16-bit integers that Horovod has no CPU kernels for (ops/torch_ops.py).
+_BLINK_TYPES = _HVD_TYPES | {"uint8", "int8", "int16"}
 
 
-def _horovod_step(job: _Job, a: _Args, dtype: str, op: str, name: str):
+def _hvd_step(job: _Job, a: _Args, dtype: str, op: str, name: str, stock: bool):
+    """(one collective, barrier) as users call it, ``hvd.allreduce_``/``hvd.broadcast_`` on a torch tensor
+    sharing the array's memory: carried by Blink (``--impl blink``: the ops layer's engine, hierarchy and
+    communicator), or by stock Horovod around Blink (``stock``).  (None, None) for an allreduce of a dtype
+    the call refuses; a broadcast of one moves the bytes as uint8."""
     hvd = job.hvd
-    if dtype not in _HVD_TYPES and a.collective == "allreduce":
+    types = _HVD_TYPES if stock else _BLINK_TYPES
+    if dtype not in types and a.collective == "allreduce":
         return None, None
+    around = _bypass if stock else contextlib.nullcontext
     if a.collective == "allreduce":
         hop = _hvd_op(hvd, op)
 
         def step(x: np.ndarray) -> None:
-            with _bypass():
+            with around():
                 hvd.allreduce_(_to_torch(x, dtype), op=hop, name=name)
     else:
 
         def step(x: np.ndarray) -> None:
-            with _bypass():
-                hvd.broadcast_(_to_torch(x.reshape(-1).view(np.uint8), "uint8") if dtype not in _HVD_TYPES
+            with around():
+                hvd.broadcast_(_to_torch(x.reshape(-1).view(np.uint8), "uint8") if dtype not in types
                                else _to_torch(x, dtype), root_rank=a.root, name=name)
 
     def barrier() -> None:
@@ -448,6 +506,10 @@ def _horovod_step(job: _Job, a: _Args, dtype: str, op: str, name: str):
             hvd.allreduce_(_to_torch(np.zeros(1, np.float32), "float32"), op=hvd.Sum, name="blink.perf.barrier")
 
     return step, barrier
+
+
+_STEPS = {"blink": functools.partial(_hvd_step, stock=False), "raw": _raw_step,
+          "horovod": functools.partial(_hvd_step, stock=True)}
 
 
 # -- measuring ------------------------------------------------------------------------------
@@ -484,7 +546,7 @@ def _measure(job: _Job, a: _Args, dtype: str, op: str, size: int) -> dict[str, _
     name = f"blink.perf.{a.collective}.{dtype}.{op}.{size}"
     runs: dict[str, tuple[Callable[[np.ndarray], None], Callable[[], None]]] = {}
     for impl in a.impls:
-        step, barrier = (_blink_step if impl == "blink" else _horovod_step)(job, a, dtype, op, name)
+        step, barrier = _STEPS[impl](job, a, dtype, op, name)
         if all(job.gather(step is not None)):
             runs[impl] = (step, barrier)
     rows = {impl: _Row(impl, size, count, dtype, op, None, None, None, None) for impl in a.impls}
@@ -513,15 +575,18 @@ def _measure(job: _Job, a: _Args, dtype: str, op: str, size: int) -> dict[str, _
         for _ in range(a.warmup):
             step(x)
         done()
-    if "blink" in runs and job.comm is not None and not cuda:  # no online tuning on GPUs yet
+    if job.servers == 1 or a.collective == "broadcast":
+        kinds = [a.collective]
+    else:
+        kinds = ["reduce_to_roots", "broadcast_from_roots"]
+    for impl, comm in (("blink", job.blink_comm), ("raw", job.comm)):
+        if impl not in runs or cuda:  # no online tuning on GPUs yet
+            continue
         # MIAD settles the chunk size during the first iterations; finish that before timing.
-        step = runs["blink"][0]
-        if job.servers == 1 or a.collective == "broadcast":
-            kinds = [a.collective]
-        else:
-            kinds = ["reduce_to_roots", "broadcast_from_roots"]
+        step = runs[impl][0]
         extra = 0
-        while extra < 40 and not all(job.gather(all(job.comm.tuning_converged(k, x.nbytes) for k in kinds))):
+        while extra < 40 and not all(job.gather(comm is None or all(comm.tuning_converged(k, x.nbytes)
+                                                                     for k in kinds))):
             step(x)
             extra += 1
     elapsed = dict.fromkeys(runs, 0.0)
@@ -649,15 +714,16 @@ def _header(job: _Job, a: _Args, pids: list, hosts: list) -> list[str]:
         s, lr = job.server_of(r)
         lines.append(f"#  Rank {r:2d} Group  0 Pid {pids[r]:6d} on {hosts[r]:>10} device {lr:2d} [{a.device}] "
                      f"server {s} local rank {lr}")
-    if job.comm is not None:
-        topo = job.comm.topology
-        chunk = "BLINK_CHUNK_BYTES" if job.comm.config.chunk_bytes else "MIAD"
+    comm = job.comm or job.blink_comm
+    if comm is not None:
+        topo = comm.topology
+        chunk = "BLINK_CHUNK_BYTES" if comm.config.chunk_bytes else "MIAD"
         lines.append(f"# Blink: topology {topo.name} ({topo.n} ranks per server), chunk size: {chunk}; "
                      f"types: {', '.join(NCCL_NAMES[d] for d in a.dtypes)}")
         if a.device == "cpu":
             from ..runtime import streamcopy
 
-            copies = streamcopy.status() if job.comm.config.stream_copy else "numpy copies (BLINK_STREAM_COPY=0)"
+            copies = streamcopy.status() if comm.config.stream_copy else "numpy copies (BLINK_STREAM_COPY=0)"
             lines.append(f"# Blink CPU chunk copies: {copies}")
     lines.append("#")
     # nccl-tests' three header lines (src/common.cu): group titles over 32-character column
@@ -684,7 +750,7 @@ def _row_line(a: _Args, rows: dict[str, _Row]) -> str:
     head = f"{first.size:12d}  {first.count:12d}  {NCCL_NAMES[first.dtype]:>8}  {redop:>6}  {root:6d}"
     line = head + "".join(_group_cols(rows.get(impl), a.check) for impl in a.impls)
     if a.device == "cuda":
-        b = rows.get("blink")
+        b = rows.get("raw")  # CUDA tensors: the communicator alone
         if b is not None and b.bound and b.busbw is not None:
             line += f"  {b.bound:6.1f}  {100 * b.busbw / b.bound:6.1f}"
         else:
@@ -724,7 +790,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config()
     job = _make_job(a, args, cfg)
     try:
-        if "blink" in a.impls:
+        if "raw" in a.impls:
             from ..runtime.communicator import Communicator
 
             if a.device == "cuda" and job.servers > 1:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..topology.machines import parse_gpu_list
-from ..units import format_size, parse_size
+from ..units import format_size, parse_number, parse_size
 from .common import load_topology, write_output
 from .plan_cmd import parse_channels
 
@@ -117,12 +117,7 @@ def parse_sizes(args: argparse.Namespace) -> list[int]:
     if hi < lo:
         raise ConfigError(f"-e: {args.maxbytes!r} is below -b {args.minbytes!r}")
     factor_text = args.stepfactor if args.stepfactor is not None else "2"
-    try:
-        factor = int(factor_text)
-    except ValueError:
-        raise ConfigError(f"-f: expected an integer factor >= 2, got {factor_text!r}") from None
-    if factor < 2:
-        raise ConfigError(f"-f: expected an integer factor >= 2, got {factor_text!r}")
+    factor = parse_number(factor_text, "-f", int, "an integer factor >= 2", lambda v: v >= 2)
     sizes = []
     s = lo
     while s <= hi:

@@ -47,6 +47,7 @@ __all__ = ["ENTRY_FORMAT", "CacheResult", "cache_key", "cached_plan", "get_plan"
 log = logging.getLogger(__name__)
 
 ENTRY_FORMAT = "blink-plan-cache/1"
+CacheDir = str | os.PathLike[str] | None  # the cache folder; None: BLINK_PLAN_CACHE
 _PLANNER_DIR = Path(__file__).resolve().parent
 _version_memo: str | None = None
 
@@ -101,7 +102,10 @@ def cache_key(
     topology: Topology, collective: str, root: int | None = None, channels: Sequence[str] | None = None
 ) -> str:
     """The cache key (a hex digest) of one planning request."""
-    fields = _key_fields(topology, collective, root, _channels(channels))
+    return _digest(_key_fields(topology, collective, root, _channels(channels)))
+
+
+def _digest(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -174,43 +178,26 @@ def _write(path: Path, fields: dict[str, Any], plan: Plan) -> bool:
         return False
 
 
-def _locate(
-    topology: Topology,
-    collective: str,
-    root: int | None,
-    channels: Sequence[str] | None,
-    cache_dir: str | os.PathLike[str] | None,
-) -> tuple[Path, dict[str, Any], tuple[str, ...] | None]:
+def _locate(topology: Topology, collective: str, root: int | None, channels: Sequence[str] | None,
+            cache_dir: CacheDir) -> tuple[Path, dict[str, Any], tuple[str, ...] | None]:
     chans = _channels(channels)
     if cache_dir is None:
         from ..config import load_config
 
         cache_dir = load_config().plan_cache
     fields = _key_fields(topology, collective, root, chans)
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
-    return Path(cache_dir) / f"{key}.json", fields, chans
+    return Path(cache_dir) / f"{_digest(fields)}.json", fields, chans
 
 
-def lookup_plan(
-    topology: Topology,
-    collective: str,
-    root: int | None = None,
-    channels: Sequence[str] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> Plan | None:
+def lookup_plan(topology: Topology, collective: str, root: int | None = None, channels: Sequence[str] | None = None,
+                cache_dir: CacheDir = None) -> Plan | None:
     """The cached plan for this request, or None (a corrupt entry warns and counts as none)."""
     path, fields, _ = _locate(topology, collective, root, channels, cache_dir)
     return _read(path, fields, topology, collective, root)
 
 
-def store_plan(
-    plan: Plan,
-    topology: Topology,
-    collective: str,
-    root: int | None = None,
-    channels: Sequence[str] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> Path | None:
+def store_plan(plan: Plan, topology: Topology, collective: str, root: int | None = None,
+               channels: Sequence[str] | None = None, cache_dir: CacheDir = None) -> Path | None:
     """Cache ``plan`` as the answer to this request; its path, or None if not writable.
 
     Raises
@@ -225,13 +212,8 @@ def store_plan(
     return path if _write(path, fields, plan) else None
 
 
-def get_plan(
-    topology: Topology,
-    collective: str,
-    root: int | None = None,
-    channels: Sequence[str] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> CacheResult:
+def get_plan(topology: Topology, collective: str, root: int | None = None, channels: Sequence[str] | None = None,
+             cache_dir: CacheDir = None) -> CacheResult:
     """:func:`cached_plan`, also saying whether the plan came from the cache."""
     path, fields, chans = _locate(topology, collective, root, channels, cache_dir)
     plan = _read(path, fields, topology, collective, root)
@@ -247,13 +229,8 @@ def get_plan(
     return CacheResult(plan, path if stored else None, False)
 
 
-def cached_plan(
-    topology: Topology,
-    collective: str,
-    root: int | None = None,
-    channels: Sequence[str] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> Plan:
+def cached_plan(topology: Topology, collective: str, root: int | None = None, channels: Sequence[str] | None = None,
+                cache_dir: CacheDir = None) -> Plan:
     """``make_plan(topology, collective, root, channels)``, cached on disk.
 
     Parameters

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import PlanError
-from ..topology.model import Topology
+from ..topology.model import Topology, is_int, load_json
 
 __all__ = ["FORMAT", "CHANNELS", "COLLECTIVES", "Tree", "Plan", "validate_plan"]
 
@@ -123,10 +123,10 @@ class Plan:
         if coll not in COLLECTIVES:
             raise PlanError(f"collective: expected one of {', '.join(COLLECTIVES)}, got {coll!r}")
         gpus = data.get("gpus")
-        if not isinstance(gpus, list) or not gpus or not all(_is_int(g) for g in gpus):
+        if not isinstance(gpus, list) or not gpus or not all(is_int(g) for g in gpus):
             raise PlanError(f"gpus: expected a non-empty list of GPU ids, got {gpus!r}")
         root = data.get("root")
-        if coll == "broadcast" and not _is_int(root):
+        if coll == "broadcast" and not is_int(root):
             raise PlanError(f"root: a broadcast plan needs an integer root, got {root!r}")
         if coll == "allreduce" and root is not None:
             raise PlanError(f"root: an allreduce plan has root null, got {root!r}")
@@ -137,7 +137,7 @@ class Plan:
         for i, t in enumerate(trees_raw):
             if not isinstance(t, Mapping):
                 raise PlanError(f"trees[{i}]: expected an object, got {t!r}")
-            if not _is_int(t.get("root")):
+            if not is_int(t.get("root")):
                 raise PlanError(f"trees[{i}].root: expected a GPU id, got {t.get('root')!r}")
             frac = t.get("fraction")
             if _number(frac) is None or frac < 0:
@@ -147,7 +147,7 @@ class Plan:
                 raise PlanError(f"trees[{i}].channel: expected one of {', '.join(CHANNELS)}, got {channel!r}")
             edges = t.get("edges")
             if not isinstance(edges, list) or not all(
-                isinstance(e, list) and len(e) == 2 and all(_is_int(x) for x in e) for e in edges
+                isinstance(e, list) and len(e) == 2 and all(is_int(x) for x in e) for e in edges
             ):
                 raise PlanError(f"trees[{i}].edges: expected [[parent, child], ...], got {edges!r}")
             trees.append(Tree(t["root"], float(frac), tuple((e[0], e[1]) for e in edges), channel))
@@ -178,18 +178,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"plan: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-        except (ValueError, RecursionError) as exc:
-            # Not UTF-8, an integer of more than 4300 digits, or nesting too deep to parse.
-            raise PlanError(f"plan: not a JSON plan: {type(exc).__name__}: {str(exc)[:120]}") from None
-        return cls.from_dict(data)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+        return cls.from_dict(load_json(text, PlanError, "plan: ", "a JSON plan"))
 
 
 def _number(x: Any) -> float | None:

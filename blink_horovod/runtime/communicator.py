@@ -230,8 +230,7 @@ class Communicator:
             self._executor = TreeExecutor(transport, self.config.timeout_seconds, self.config.stall_check_seconds)
         elif transport is not None:
             self._executor = Executor(transport, self.config.timeout_seconds, self.config.stall_check_seconds,
-                                      self.config.fault, self.config.mpi_yield, self.config.background_idle,
-                                      self.config.stream_copy)
+                                      self.config.fault, self.config.stream_copy)
 
     def _make_transport(self) -> Transport:
         from .shm import ShmTransport
@@ -325,24 +324,34 @@ class Communicator:
         agreed = min(rates) if all(isinstance(x, (int, float)) for x in rates) else None
         return max(1, self._chunks.chunk_bytes(nbytes, agreed, kind) // itemsize)
 
-    def _run(self, collective: str, name: str | None, arr: np.ndarray, flat: np.ndarray, dtype: str, op: str,
-             root: int | None, plan_key: tuple[str, int | None], make_pieces) -> None:
+    def _offer_plan(self, plan_key: tuple[str, int | None], extras: dict[str, Any]) -> tuple[Plan, str] | None:
+        """The cached plan and digest of ``plan_key``, or None when it is new: every rank knows that
+        (same history), and local rank 0 then adds its plan to its ``extras`` for all to adopt."""
         entry = self._plans.get(plan_key)
-        nbytes = flat.nbytes
-        bucket = (collective, bucket_of(nbytes))
-        # "t": this rank's throughput (bytes/s) of the previous message of the bucket.
-        extras: dict[str, Any] = {"t": self._last_rate.pop(bucket, None)}
         if entry is None and self.local_rank == 0:
-            # Every rank knows this plan is new (same history); rank 0's rides along.
             try:
                 extras["plan"] = self._make_plan(*plan_key).to_dict()
             except BaseException as exc:
                 self._executor.fail(exc)  # type: ignore[union-attr]  # peers raise now, not at their timeout
                 raise
+        return entry
+
+    def _agreed_plan(self, plan_key: tuple[str, int | None], entry: tuple[Plan, str] | None,
+                     all_extras: list[dict[str, Any]]) -> tuple[Plan, str]:
+        """The plan every rank runs: the cached ``entry``, else local rank 0's (:meth:`_offer_plan`)."""
+        return entry if entry is not None else self._adopt_plan(plan_key, Plan.from_dict(all_extras[0]["plan"]))
+
+    def _run(self, collective: str, name: str | None, arr: np.ndarray, flat: np.ndarray, dtype: str, op: str,
+             root: int | None, plan_key: tuple[str, int | None], make_pieces) -> None:
+        nbytes = flat.nbytes
+        bucket = (collective, bucket_of(nbytes))
+        # "t": this rank's throughput (bytes/s) of the previous message of the bucket.
+        extras: dict[str, Any] = {"t": self._last_rate.pop(bucket, None)}
+        entry = self._offer_plan(plan_key, extras)
         itemsize = flat.dtype.itemsize
 
         def build(all_extras: list[dict[str, Any]]) -> list[Piece]:
-            plan, digest = entry if entry is not None else self._adopt_plan(plan_key, Plan.from_dict(all_extras[0]["plan"]))
+            plan, digest = self._agreed_plan(plan_key, entry, all_extras)
             chunk = self._chunk_elems(all_extras, nbytes, itemsize, collective)
             return make_pieces(plan, digest, chunk)
 
@@ -366,19 +375,11 @@ class Communicator:
         with self._lock:
             if ex.replay(key, flat.ptr, flat.stream):  # type: ignore[union-attr]
                 return
-            entry = self._plans.get(plan_key)
             extras: dict[str, Any] = {}
-            if entry is None and self.local_rank == 0:
-                try:
-                    extras["plan"] = self._make_plan(*plan_key).to_dict()
-                except BaseException as exc:
-                    self._executor.fail(exc)  # type: ignore[union-attr]  # peers raise now, not at their timeout
-                    raise
+            entry = self._offer_plan(plan_key, extras)
 
             def plan_of(all_extras: list[dict[str, Any]]) -> tuple[Plan, str]:
-                if entry is not None:
-                    return entry
-                return self._adopt_plan(plan_key, Plan.from_dict(all_extras[0]["plan"]))
+                return self._agreed_plan(plan_key, entry, all_extras)
 
             self._executor.collective(  # type: ignore[union-attr]
                 self._label(collective, name), self._checked(collective, name, arr, dtype, op, root), extras,
@@ -397,60 +398,40 @@ class Communicator:
     def allreduce(self, arr: np.ndarray, op: str = "sum", name: str | None = None) -> np.ndarray:
         """Reduce ``arr`` over the server's ranks, in place; returns ``arr``."""
         op = check_op(op)
-        flat, dtype = self._flat(arr, "allreduce")
-        if self._executor is None or flat.size == 0:
-            return arr
-        if self.device == "cuda":
-            self._run_cuda("allreduce", name, arr, flat, dtype, op, None)
-            return arr
-        with self._lock:
-            n = self.local_size
-            if flat.nbytes <= self.eager_bytes:
-                self._eager("allreduce", name, arr, flat, dtype, op, None)
-                if op == "average":
-                    finish_average(flat, n, dtype)
-                return arr
-            piece = max(1, MAX_PIECE_BYTES // flat.dtype.itemsize)
-            # The executor divides an average where each sum is final (runtime.steps).
-            average = n if op == "average" else 0
-
-            def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
-                out = []
-                for a in range(0, flat.size, piece):
-                    cnt = min(piece, flat.size - a)
-                    out.append(Piece(self.program(plan, digest, cnt, chunk, "allreduce"), direct=a, average=average))
-                return out
-
-            self._run("allreduce", name, arr, flat, dtype, op, None, ("allreduce", None), pieces)
-        return arr
+        # The executor divides an average where each sum is final (runtime.steps).
+        return self._direct("allreduce", name, arr, op, None, average=self.local_size if op == "average" else 0)
 
     def broadcast(self, arr: np.ndarray, root: int = 0, name: str | None = None) -> np.ndarray:
         """Every rank's ``arr`` becomes local rank ``root``'s, in place; returns ``arr``."""
         if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= int(root) < self.local_size:
             raise ConfigError(f"root: expected a local rank in 0..{self.local_size - 1}, got {root!r}")
         root = int(root)
-        flat, dtype = self._flat(arr, "broadcast")
+        me = self.local_rank
+        return self._direct("broadcast", name, arr, None, root, has_input=me == root, wants_output=me != root)
+
+    def _direct(self, collective: str, name: str | None, arr: np.ndarray, op: str | None, root: int | None,
+                **fields: Any) -> np.ndarray:
+        """allreduce or broadcast: small messages in the eager round, larger ones in pieces that each
+        map a contiguous part of the array (``fields``: the pieces' :class:`Piece` settings)."""
+        flat, dtype = self._flat(arr, collective)
         if self._executor is None or flat.size == 0:
             return arr
         if self.device == "cuda":
-            self._run_cuda("broadcast", name, arr, flat, dtype, None, root)
+            self._run_cuda(collective, name, arr, flat, dtype, op, root)
             return arr
         with self._lock:
-            me = self.local_rank
             if flat.nbytes <= self.eager_bytes:
-                self._eager("broadcast", name, arr, flat, dtype, None, root)
+                self._eager(collective, name, arr, flat, dtype, op, root)
+                if op == "average":
+                    finish_average(flat, self.local_size, dtype)
                 return arr
             piece = max(1, MAX_PIECE_BYTES // flat.dtype.itemsize)
 
             def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
-                out = []
-                for a in range(0, flat.size, piece):
-                    cnt = min(piece, flat.size - a)
-                    prog = self.program(plan, digest, cnt, chunk, "broadcast")
-                    out.append(Piece(prog, direct=a, has_input=me == root, wants_output=me != root))
-                return out
+                return [Piece(self.program(plan, digest, min(piece, flat.size - a), chunk, collective), direct=a,
+                              **fields) for a in range(0, flat.size, piece)]
 
-            self._run("broadcast", name, arr, flat, dtype, None, root, ("broadcast", root), pieces)
+            self._run(collective, name, arr, flat, dtype, op, root, (collective, root), pieces)
         return arr
 
     def _segment_pieces(self, flat: np.ndarray) -> list[list[Run]]:
@@ -477,10 +458,6 @@ class Communicator:
         if self.device == "cuda" and self._executor is not None:
             self._executor.synchronize()
 
-    def _no_cuda(self, what: str) -> None:
-        if self.device == "cuda":
-            raise ConfigError(f"{what}: the hierarchical stages are not wired for CUDA tensors yet (one server only)")
-
     def reduce_to_roots(self, arr: np.ndarray, op: str = "sum", name: str | None = None) -> tuple[int, int]:
         """Stage 1: local rank i's ``arr[start:end]`` becomes the server's op over its segment.
 
@@ -489,54 +466,40 @@ class Communicator:
         server's rank count (the hierarchical caller sums and divides once).
         """
         op = check_op(op)
-        self._no_cuda("reduce_to_roots")
-        flat, dtype = self._flat(arr, "reduce_to_roots")
-        me, n = self.local_rank, self.local_size
-        start, end = segment_bounds(flat.size, n, me)
-        if self._executor is None or flat.size == 0:
-            return start, end
-        with self._lock:
-            if flat.nbytes <= self.eager_bytes:
-                self._eager("reduce_to_roots", name, arr, flat, dtype, op, None)
-                if op == "average":
-                    finish_average(flat[start:end], n, dtype)
-                return start, end
-
-            def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
-                out = []
-                for runs in self._segment_pieces(flat):
-                    cnt = sum(r[2] for r in runs)
-                    prog = self.program(plan, digest, cnt, chunk, "reduce")
-                    out.append(Piece(prog, runs, [runs[me]]))
-                return out
-
-            self._run("reduce_to_roots", name, arr, flat, dtype, op, None, ("allreduce", None), pieces)
-            if op == "average":
-                finish_average(flat[start:end], n, dtype)
+        flat, dtype = self._staged("reduce_to_roots", name, arr, op, "reduce", lambda runs, me: (runs, [runs[me]]))
+        start, end = segment_bounds(flat.size, self.local_size, self.local_rank)
+        if op == "average" and self._executor is not None:
+            finish_average(flat[start:end], self.local_size, dtype)
         return start, end
 
     def broadcast_from_roots(self, arr: np.ndarray, name: str | None = None) -> np.ndarray:
         """Stage 3: local rank i's segment of ``arr`` goes to every rank; returns ``arr``."""
-        self._no_cuda("broadcast_from_roots")
-        flat, dtype = self._flat(arr, "broadcast_from_roots")
-        me = self.local_rank
+        self._staged("broadcast_from_roots", name, arr, None, "broadcast",
+                     lambda runs, me: ([runs[me]], [r for i, r in enumerate(runs) if i != me]))
+        return arr
+
+    def _staged(self, collective: str, name: str | None, arr: np.ndarray, op: str | None, kind: str,
+                stages: Callable[[list[Run], int], tuple[list[Run], list[Run]]]) -> tuple[np.ndarray, str]:
+        """reduce_to_roots or broadcast_from_roots: small messages in the eager round, larger ones in
+        pieces of every segment (:meth:`_segment_pieces`) of the ``kind`` program, each staged in and
+        out as ``stages(runs, local_rank)`` says.  Returns the flat array and its dtype."""
+        if self.device == "cuda":
+            raise ConfigError(f"{collective}: the hierarchical stages are not wired for CUDA tensors yet "
+                              "(one server only)")
+        flat, dtype = self._flat(arr, collective)
         if self._executor is None or flat.size == 0:
-            return arr
+            return flat, dtype
         with self._lock:
             if flat.nbytes <= self.eager_bytes:
-                self._eager("broadcast_from_roots", name, arr, flat, dtype, None, None)
-                return arr
+                self._eager(collective, name, arr, flat, dtype, op, None)
+                return flat, dtype
 
             def pieces(plan: Plan, digest: str, chunk: int) -> list[Piece]:
-                out = []
-                for runs in self._segment_pieces(flat):
-                    cnt = sum(r[2] for r in runs)
-                    prog = self.program(plan, digest, cnt, chunk, "broadcast")
-                    out.append(Piece(prog, [runs[me]], [r for i, r in enumerate(runs) if i != me]))
-                return out
+                return [Piece(self.program(plan, digest, sum(r[2] for r in runs), chunk, kind),
+                              *stages(runs, self.local_rank)) for runs in self._segment_pieces(flat)]
 
-            self._run("broadcast_from_roots", name, arr, flat, dtype, None, None, ("allreduce", None), pieces)
-        return arr
+            self._run(collective, name, arr, flat, dtype, op, None, ("allreduce", None), pieces)
+        return flat, dtype
 
     def allgather_object(self, obj: Any, name: str | None = None) -> list[Any]:
         """Every local rank's small picklable ``obj`` (up to ~48 KB pickled), through the

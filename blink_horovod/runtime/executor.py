@@ -34,8 +34,10 @@ this rank) and leaves the executor unusable, as an aborted NCCL communicator.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,14 +46,12 @@ from ..schedule.program import Program
 from . import metadata
 from .dtypes import finish_average, numpy_dtype, reduce_to
 from .faults import FaultInjector
-from .background import idled
-from .mpi_yield import yielding
 from .placement import COPY, POST, STAGE, Placement, interleave, place, plain
-from .streamcopy import Copier
 from .steps import BLOCK_BYTES, STEP_COPY, STEP_POST, STEP_STAGE, Steps, fuse
+from .streamcopy import Copier
 from .transport import STATE_ABORTED, W_STATE, Transport, WaitContext
 
-__all__ = ["Run", "Piece", "Executor"]
+__all__ = ["Executor", "Piece", "Run"]
 
 Run = tuple[int, int, int]  # (offset in the user's array, offset in the buffer, elements)
 
@@ -104,23 +104,15 @@ class Executor:
         ``BLINK_TIMEOUT_SECONDS`` and ``BLINK_STALL_CHECK_SECONDS``.
     fault : str, optional
         ``BLINK_FAULT`` (tests only).
-    mpi_yield : bool
-        ``BLINK_MPI_YIELD``: while a collective runs, an Open MPI in this process
-        yields the CPU when it polls idle (:mod:`blink_horovod.runtime.mpi_yield`).
-    background_idle : bool
-        ``BLINK_BACKGROUND_IDLE``: while a collective runs, the threads Horovod's
-        init started run at idle priority (:mod:`blink_horovod.runtime.background`).
     stream_copy : bool
         ``BLINK_STREAM_COPY``: large chunk copies use streaming stores
         (:mod:`blink_horovod.runtime.streamcopy`).
     """
 
     def __init__(self, transport: Transport, timeout: float, stall: float, fault: str | None = None,
-                 mpi_yield: bool = True, background_idle: bool = True, stream_copy: bool = True) -> None:
+                 stream_copy: bool = True) -> None:
         self.t = transport
         self.copier = Copier(stream_copy)
-        self.mpi_yield = mpi_yield
-        self.background_idle = background_idle
         self.rank = transport.rank
         self.nranks = transport.nranks
         self.timeout = timeout
@@ -139,39 +131,15 @@ class Executor:
         self.last_setup_free = False
 
     # -- the collective --------------------------------------------------------
-    def collective(
-        self,
-        label: str,
-        checked: Mapping[str, Any],
-        extras: Mapping[str, Any],
-        arr: np.ndarray,
-        dtype: str,
-        op: str,
-        build: Callable[[list[dict[str, Any]]], Sequence[Piece]],
-    ) -> list[dict[str, Any]]:
+    def collective(self, label: str, checked: Mapping[str, Any], extras: Mapping[str, Any], arr: np.ndarray,
+                   dtype: str, op: str, build: Callable[[list[dict[str, Any]]], Sequence[Piece]]) -> list[dict[str, Any]]:
         """Run one collective on the flat array ``arr`` (in place).
 
         ``build(extras_of_every_rank)`` returns the pieces once the ranks
         agree (so choices that depend on all ranks' measurements, such as the
         chunk size, are the same everywhere).  Returns every rank's extras.
         """
-        with yielding(self.mpi_yield), idled(self.background_idle):
-            return self._collective(label, checked, extras, arr, dtype, op, build)
-
-    def _collective(
-        self,
-        label: str,
-        checked: Mapping[str, Any],
-        extras: Mapping[str, Any],
-        arr: np.ndarray,
-        dtype: str,
-        op: str,
-        build: Callable[[list[dict[str, Any]]], Sequence[Piece]],
-    ) -> list[dict[str, Any]]:
-        if self.failed is not None:
-            raise BlinkInternalError(f"{label}: this communicator is unusable after an earlier failure: {self.failed}")
-        ctx = WaitContext.start(label, self.timeout, self.stall)
-        try:
+        with self._guarded(label) as ctx:
             self.seq += 1
             payloads = self.t.exchange_meta(self.seq, metadata.encode(checked, extras), ctx)
             all_extras = metadata.check_agreement(payloads, self.seq)
@@ -218,23 +186,10 @@ class Executor:
             self.last_run_seconds = time.perf_counter() - started
             self.last_setup_free = not (grew or fresh)
             return all_extras
-        except BaseException as exc:
-            self.failed = exc
-            self.t.abort(exc)
-            raise
 
-    def eager_collective(
-        self,
-        label: str,
-        checked: Mapping[str, Any],
-        extras: Mapping[str, Any],
-        arr: np.ndarray,
-        dtype: str,
-        op: str,
-        kind: str,
-        root: int = 0,
-        segments: Sequence[tuple[int, int]] = (),
-    ) -> list[dict[str, Any]]:
+    def eager_collective(self, label: str, checked: Mapping[str, Any], extras: Mapping[str, Any], arr: np.ndarray,
+                         dtype: str, op: str, kind: str, root: int = 0,
+                         segments: Sequence[tuple[int, int]] = ()) -> list[dict[str, Any]]:
         """A small collective in one round: the data travel with the metadata.
 
         Each rank stages its input into its eager slot ``seq % 2`` *before*
@@ -250,25 +205,7 @@ class Executor:
         ``reduce_to_roots`` or ``broadcast_from_roots`` (``segments[r]``: rank
         r's element range).
         """
-        with yielding(self.mpi_yield), idled(self.background_idle):
-            return self._eager_collective(label, checked, extras, arr, dtype, op, kind, root, segments)
-
-    def _eager_collective(
-        self,
-        label: str,
-        checked: Mapping[str, Any],
-        extras: Mapping[str, Any],
-        arr: np.ndarray,
-        dtype: str,
-        op: str,
-        kind: str,
-        root: int,
-        segments: Sequence[tuple[int, int]],
-    ) -> list[dict[str, Any]]:
-        if self.failed is not None:
-            raise BlinkInternalError(f"{label}: this communicator is unusable after an earlier failure: {self.failed}")
-        ctx = WaitContext.start(label, self.timeout, self.stall)
-        try:
+        with self._guarded(label) as ctx:
             self.seq += 1
             slot = self.seq & 1
             dt = numpy_dtype(dtype)
@@ -305,6 +242,15 @@ class Executor:
                         arr[lo:hi] = view(r)[lo:hi]
             self.last_setup_free = False
             return all_extras
+
+    @contextmanager
+    def _guarded(self, label: str) -> Iterator[WaitContext]:
+        """One collective's waits (the yielded context); any failure in it aborts the transport
+        and leaves this executor unusable."""
+        if self.failed is not None:
+            raise BlinkInternalError(f"{label}: this communicator is unusable after an earlier failure: {self.failed}")
+        try:
+            yield WaitContext.start(label, self.timeout, self.stall)
         except BaseException as exc:
             self.failed = exc
             self.t.abort(exc)

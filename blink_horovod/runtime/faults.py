@@ -38,6 +38,7 @@ import numpy as np
 
 from ..config import BLINK_FAULT
 from ..errors import BlinkInternalError, ConfigError
+from ..units import parse_number
 
 __all__ = ["FAULT_ACTIONS", "FaultSpec", "parse_fault", "FaultInjector"]
 
@@ -69,22 +70,12 @@ def parse_fault(text: str) -> FaultSpec:
         raise ConfigError(f"{BLINK_FAULT}: missing after=K in {text!r}")
 
     def _int(key: str) -> int:
-        try:
-            value = int(fields[key])
-        except ValueError:
-            raise ConfigError(f"{BLINK_FAULT}: {key} must be a non-negative integer, got {fields[key]!r}") from None
-        if value < 0:
-            raise ConfigError(f"{BLINK_FAULT}: {key} must be a non-negative integer, got {fields[key]!r}")
-        return value
+        return parse_number(fields[key], f"{BLINK_FAULT}: {key}", int, "a non-negative integer", lambda v: v >= 0)
 
     seconds = 3600.0
     if "seconds" in fields:
-        try:
-            seconds = float(fields["seconds"])
-        except ValueError:
-            raise ConfigError(f"{BLINK_FAULT}: seconds must be a number, got {fields['seconds']!r}") from None
-        if not math.isfinite(seconds) or seconds < 0:
-            raise ConfigError(f"{BLINK_FAULT}: seconds must be a finite number >= 0, got {fields['seconds']!r}")
+        seconds = parse_number(fields["seconds"], f"{BLINK_FAULT}: seconds", float, "a finite number >= 0",
+                               lambda v: math.isfinite(v) and v >= 0)
     count = _int("count") if "count" in fields else 1
     if count < 1:
         raise ConfigError(f"{BLINK_FAULT}: count must be a positive integer, got {fields['count']!r}")

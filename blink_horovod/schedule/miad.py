@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -173,18 +174,11 @@ class MiadTuner:
             self._next = nxt
 
 
-def tune(
-    measure: Callable[[int], float],
-    start_bytes: int = 1 << 20,
-    factor: float = 2.0,
-    decrease_bytes: int | None = None,
-    min_bytes: int = 4 << 10,
-    max_bytes: int = 1 << 30,
-    tolerance: float = 0.01,
-    align_bytes: int = 1,
-    max_iters: int = 32,
-) -> tuple[int, list[tuple[int, float]]]:
+def tune(measure: Callable[[int], float], *, max_iters: int = 32, **settings: Any) -> tuple[int, list[tuple[int, float]]]:
     """Run MIAD against ``measure(chunk_bytes) -> throughput`` until it converges.
+
+    ``settings`` are :class:`MiadTuner`'s (``start_bytes``, ``factor``, ...);
+    at most ``max_iters`` measurements.
 
     Returns
     -------
@@ -194,7 +188,7 @@ def tune(
     """
     if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
         raise ConfigError(f"max_iters: expected a positive integer, got {max_iters!r}")
-    t = MiadTuner(start_bytes, factor, decrease_bytes, min_bytes, max_bytes, tolerance, align_bytes)
+    t = MiadTuner(**settings)
     for _ in range(max_iters):
         if t.converged:
             break

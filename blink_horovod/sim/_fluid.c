@@ -32,14 +32,20 @@ typedef struct {
     int64_t n, cap;
 } Heap;
 
+/* `a` (n elements of `size` bytes, room for *cap) with room for one more: itself, or grown to twice
+ * its capacity (`first` elements at first); NULL when out of memory (then `a` is untouched). */
+static void *room_for_one(void *a, int64_t n, int64_t *cap, int64_t first, size_t size) {
+    if (n < *cap) return a;
+    int64_t nc = *cap ? 2 * *cap : first;
+    void *na = realloc(a, (size_t)nc * size);
+    if (na) *cap = nc;
+    return na;
+}
+
 static int heap_push(Heap *h, double t, int64_t v, int32_t i) {
-    if (h->n == h->cap) {
-        int64_t nc = h->cap ? 2 * h->cap : 1024;
-        Event *na = realloc(h->a, (size_t)nc * sizeof(Event));
-        if (!na) return -1;
-        h->a = na;
-        h->cap = nc;
-    }
+    Event *na = room_for_one(h->a, h->n, &h->cap, 1024, sizeof(Event));
+    if (!na) return -1;
+    h->a = na;
     int64_t k = h->n++;
     Event e = {t, v, i};
     while (k > 0) {
@@ -74,14 +80,20 @@ typedef struct {
 } Stack;
 
 static int stack_push(Stack *s, int32_t x) {
-    if (s->n == s->cap) {
-        int64_t nc = s->cap ? 2 * s->cap : 256;
-        int32_t *na = realloc(s->a, (size_t)nc * sizeof(int32_t));
-        if (!na) return -1;
-        s->a = na;
-        s->cap = nc;
-    }
+    int32_t *na = room_for_one(s->a, s->n, &s->cap, 256, sizeof(int32_t));
+    if (!na) return -1;
+    s->a = na;
     s->a[s->n++] = x;
+    return 0;
+}
+
+/* Each task of `from` (emptied) goes to `to` at t + delay[i]: at once when there is no delay,
+ * else by the heap event (time, event, task).  Nonzero when out of memory. */
+static int wait_or_pass(Stack *from, const double *delay, double t, int64_t event, Heap *heap, Stack *to) {
+    while (from->n) {
+        int32_t i = from->a[--from->n];
+        if (delay[i] > 0.0 ? heap_push(heap, t + delay[i], event, i) : stack_push(to, i)) return -1;
+    }
     return 0;
 }
 
@@ -133,11 +145,7 @@ int64_t blink_fluid_run(
 
     for (;;) {
         while (ready.n || moving.n || moved.n || over.n) {
-            while (ready.n) {
-                int32_t i = ready.a[--ready.n];
-                if (lat[i] > 0.0) HPUSH(t + lat[i], -1, i);
-                else PUSH(moving, i);
-            }
+            if (wait_or_pass(&ready, lat, t, -1, &heap, &moving)) goto oom;
             while (moving.n) {
                 int32_t i = moving.a[--moving.n];
                 if (nbytes[i] > 0.0) {
@@ -152,11 +160,7 @@ int64_t blink_fluid_run(
                     }
                 } else PUSH(moved, i);
             }
-            while (moved.n) {
-                int32_t i = moved.a[--moved.n];
-                if (tail[i] > 0.0) HPUSH(t + tail[i], -2, i);
-                else PUSH(over, i);
-            }
+            if (wait_or_pass(&moved, tail, t, -2, &heap, &over)) goto oom;
             while (over.n) {
                 int32_t i = over.a[--over.n];
                 finish[i] = t;

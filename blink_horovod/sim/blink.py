@@ -164,16 +164,9 @@ def _resolve(schedule: Schedule | None, lanes: str | None) -> Schedule:
     return sched if lanes is None else dataclasses.replace(sched, lanes=lanes)
 
 
-def predict_time(
-    plan: Plan,
-    topology: Topology,
-    size_bytes: int,
-    chunk_bytes: int,
-    params: SimParams = DEFAULT_PARAMS,
-    kind: str | None = None,
-    resources: ResourceMap | None = None,
-    schedule: Schedule | None = None,
-) -> float:
+def predict_time(plan: Plan, topology: Topology, size_bytes: int, chunk_bytes: int,
+                 params: SimParams = DEFAULT_PARAMS, kind: str | None = None, resources: ResourceMap | None = None,
+                 schedule: Schedule | None = None) -> float:
     """Closed-form estimate of the simulated time (used to choose a chunk size).
 
     ``steady``: every resource moves its bytes at its capacity (for an
@@ -257,14 +250,8 @@ def _op_count(plan: Plan, size_bytes: int, chunk_bytes: int, kind: str, schedule
     return total
 
 
-def choose_chunk_bytes(
-    plan: Plan,
-    topology: Topology,
-    size_bytes: int,
-    params: SimParams = DEFAULT_PARAMS,
-    kind: str | None = None,
-    schedule: Schedule | None = None,
-) -> int:
+def choose_chunk_bytes(plan: Plan, topology: Topology, size_bytes: int, params: SimParams = DEFAULT_PARAMS,
+                       kind: str | None = None, schedule: Schedule | None = None) -> int:
     """The power-of-two chunk size (>= 64 KiB) with the least :func:`predict_time`.
 
     Examples
@@ -344,17 +331,10 @@ def hybrid_split(plan: Plan, topology: Topology, size_bytes: int, params: SimPar
     return dataclasses.replace(plan, trees=trees, extras=extras)
 
 
-def tune_chunk_miad(
-    plan: Plan,
-    topology: Topology,
-    size_bytes: int,
-    params: SimParams = DEFAULT_PARAMS,
-    kind: str | None = None,
-    lanes: str | None = None,
-    start_bytes: int = 1 << 20,
-    factor: float = 2.0,
-    schedule: Schedule | None = None,
-) -> tuple[BlinkEstimate, list[tuple[int, float]]]:
+def tune_chunk_miad(plan: Plan, topology: Topology, size_bytes: int, params: SimParams = DEFAULT_PARAMS,
+                    kind: str | None = None, lanes: str | None = None, start_bytes: int = 1 << 20,
+                    factor: float = 2.0,
+                    schedule: Schedule | None = None) -> tuple[BlinkEstimate, list[tuple[int, float]]]:
     """MIAD (blink_horovod.schedule.miad) measuring the simulator: the best estimate and MIAD's walk.
 
     The walk is ``[(chunk_bytes, GB/s), ...]`` in the order MIAD measured them
@@ -436,18 +416,10 @@ def simulate_plan(
     return best
 
 
-def simulate_blink(
-    topology: Topology,
-    collective: str,
-    size_bytes: int,
-    *,
-    root: int | None = None,
-    channels: Sequence[str] | None = None,
-    chunk_bytes: int | None = None,
-    params: SimParams = DEFAULT_PARAMS,
-    plan: Plan | None = None,
-    schedule: Schedule | None = None,
-) -> BlinkEstimate:
+def simulate_blink(topology: Topology, collective: str, size_bytes: int, *, root: int | None = None,
+                   channels: Sequence[str] | None = None, chunk_bytes: int | None = None,
+                   params: SimParams = DEFAULT_PARAMS, plan: Plan | None = None,
+                   schedule: Schedule | None = None) -> BlinkEstimate:
     """Plan (unless ``plan`` is given), compile and simulate one Blink collective.
 
     ``root`` defaults to the allocation's first GPU for a broadcast.

@@ -244,6 +244,17 @@ def _run_native(lib: ctypes.CDLL, graph: TaskGraph, capacity: Sequence[float], t
     return EngineResult(makespan=makespan, finish=fin, events=int(events[0]), resource_bytes=resource_bytes)
 
 
+def _wait(tasks: list[int], delay: Sequence[float], t: float, event: int, heap: list, then: list[int]) -> None:
+    """Each of ``tasks`` (emptied) goes to ``then`` at ``t + delay[i]``: at once when there is no
+    delay, else by the heap event ``(time, event, task)``."""
+    while tasks:
+        i = tasks.pop()
+        if delay[i] > 0.0:
+            heapq.heappush(heap, (t + delay[i], event, i))
+        else:
+            then.append(i)
+
+
 def _run_python(graph: TaskGraph, capacity: Sequence[float], t0: float) -> EngineResult:
     """The event loop in Python: the reference the compiled one (_fluid.c) follows line by line."""
     n = len(graph)
@@ -297,12 +308,7 @@ def _run_python(graph: TaskGraph, capacity: Sequence[float], t0: float) -> Engin
     t = t0
     while True:
         while ready or moving or moved or over:
-            while ready:
-                i = ready.pop()
-                if lat[i] > 0.0:
-                    push(heap, (t + lat[i], -1, i))
-                else:
-                    moving.append(i)
+            _wait(ready, lat, t, -1, heap, moving)
             while moving:
                 i = moving.pop()
                 if nbytes[i] > 0.0:
@@ -314,12 +320,7 @@ def _run_python(graph: TaskGraph, capacity: Sequence[float], t0: float) -> Engin
                         dirty.add(r)
                 else:
                     moved.append(i)
-            while moved:
-                i = moved.pop()
-                if tail[i] > 0.0:
-                    push(heap, (t + tail[i], -2, i))
-                else:
-                    over.append(i)
+            _wait(moved, tail, t, -2, heap, over)
             while over:
                 i = over.pop()
                 finish[i] = t

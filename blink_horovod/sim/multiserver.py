@@ -73,16 +73,9 @@ def _network_ring_s(size_bytes: float, servers: int, net_gbps: float, params: Si
     return lat * 1e-6 + steps / servers * size_bytes / (net_gbps * GB)
 
 
-def hierarchical_allreduce(
-    server: Topology,
-    servers: int,
-    net_gbps: float,
-    size_bytes: int,
-    params: SimParams = DEFAULT_PARAMS,
-    plan: Plan | None = None,
-    chunk_bytes: int | None = None,
-    channels=("nvlink",),
-) -> HierarchicalResult:
+def hierarchical_allreduce(server: Topology, servers: int, net_gbps: float, size_bytes: int,
+                           params: SimParams = DEFAULT_PARAMS, plan: Plan | None = None,
+                           chunk_bytes: int | None = None, channels=("nvlink",)) -> HierarchicalResult:
     """Times of one allreduce of ``size_bytes`` over ``servers`` identical servers (module docstring)."""
     if plan is None:
         plan = plan_for(server, "allreduce", channels=channels)

@@ -293,15 +293,9 @@ def dbt_depth(n: int) -> int:
     return max(1, math.ceil(math.log2(n + 1)) - 1) if n > 1 else 0
 
 
-def nccl_estimate(
-    topology: Topology,
-    collective: str,
-    size_bytes: int,
-    params: SimParams = DEFAULT_PARAMS,
-    rings: RingSet | None = None,
-    algorithms: Sequence[str] = ("ring", "tree"),
-    tree_hops: int | None = None,
-) -> NcclEstimate:
+def nccl_estimate(topology: Topology, collective: str, size_bytes: int, params: SimParams = DEFAULT_PARAMS,
+                  rings: RingSet | None = None, algorithms: Sequence[str] = ("ring", "tree"),
+                  tree_hops: int | None = None) -> NcclEstimate:
     """NCCL's time for ``collective`` of ``size_bytes`` on ``topology``: its cheapest algorithm/protocol.
 
     Parameters

@@ -68,9 +68,18 @@ class Section:
 
 
 def _save(fig, out: Path, name: str) -> str:
-    path = out / name
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    """Write ``fig`` as ``out/name`` and close it; returns ``name``."""
+    fig.savefig(out / name, dpi=110, bbox_inches="tight")
+    pyplot().close(fig)
     return name
+
+
+def _label(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Axis labels, title and a small legend."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
 
 
 def _fmt_ms(t: float) -> str:
@@ -143,7 +152,6 @@ def figure_a(out: Path, machines: Sequence[str], quick: bool, jobs: int, params:
             ax.legend(loc="upper right", fontsize=8, title="blue: NCCL has NVLink rings; orange: PCIe fallback", title_fontsize=7)
         axes[-1].set_xlabel("allocation (by GPU count, then GPU ids)")
         png = _save(fig, out, f"a_{name}_speedup.png")
-        plt.close(fig)
         for coll in ("broadcast", "allreduce"):
             rows = [r for r in res.rows if r.collective == coll]
             best = max(rows, key=lambda r: r.speedup)
@@ -279,7 +287,6 @@ def figure_f(out: Path, default_rows: list[Row], quick: bool, jobs: int, params:
         ax.set_ylim(bottom=min(-1.0, ax.get_ylim()[0]))
         ax.legend(fontsize=6)
     png = _save(fig, out, "f_gap_to_bound.png")
-    plt.close(fig)
 
     def stat(label: str, c: str) -> str:
         sel = [r.blink_s / r.bound_s - 1 for r in data[label] if r.collective == c]
@@ -368,21 +375,15 @@ def figure_b(out: Path, quick: bool, params: SimParams) -> Section:
     ax1.loglog(xs, [r[3].time_s * 1e6 for r in rows], "s-", label="NCCL model (its choice)")
     ax1.loglog(xs, [r[4].time_s * 1e6 for r in rows], "^--", label="NCCL, idealized double binary tree")
     ax1.set_xscale("log", base=2)
-    ax1.set_xlabel("allreduce size (bytes)")
-    ax1.set_ylabel("time (us)")
-    ax1.legend(fontsize=7)
-    ax1.set_title("DGX-2, 16 GPUs: latency")
+    _label(ax1, "allreduce size (bytes)", "time (us)", "DGX-2, 16 GPUs: latency")
     ax2.semilogx(xs, [r[3].time_s / r[1].time_s for r in rows], "o-", label="per-child reduces vs NCCL model")
     ax2.semilogx(xs, [r[3].time_s / r[2].time_s for r in rows], "D-", label="fan-in vs NCCL model")
     ax2.semilogx(xs, [r[4].time_s / r[2].time_s for r in rows], "^--", label="fan-in vs idealized DBT")
     ax2.set_xscale("log", base=2)
     ax2.axhline(1, color="grey", lw=0.8, ls="--")
-    ax2.set_xlabel("allreduce size (bytes)")
-    ax2.set_ylabel("speedup of Blink (time ratio)")
-    ax2.set_title("paper: up to 3.32x lower latency, 3.5x throughput")
-    ax2.legend(fontsize=7)
+    _label(ax2, "allreduce size (bytes)", "speedup of Blink (time ratio)",
+           "paper: up to 3.32x lower latency, 3.5x throughput")
     png = _save(fig, out, "b_dgx2_small_allreduce.png")
-    plt.close(fig)
     best_seq = max(rows, key=lambda x: x[3].time_s / x[1].time_s)
     best_fan = max(rows, key=lambda x: x[3].time_s / x[2].time_s)
     small = rows[0]
@@ -472,12 +473,9 @@ def figure_c(out: Path, nvlink_rows: list[Row], quick: bool, params: SimParams) 
         ax.plot(pk, [sum(planner_gains[k]) / len(planner_gains[k]) for k in pk], "x:", label="ours, the planner's split by bandwidth alone")
     ax.plot([3, 4, 7, 8], [5, 5, 2, 2], "s--", color="grey", label="paper (about)")
     ax.axhline(0, color="k", lw=0.5)
-    ax.set_xlabel("GPUs in the allocation")
-    ax.set_ylabel("broadcast throughput gain (GB/s)")
-    ax.set_title("DGX-1V, 1 GiB broadcast: hybrid minus NVLink-only")
-    ax.legend(fontsize=7)
+    _label(ax, "GPUs in the allocation", "broadcast throughput gain (GB/s)",
+           "DGX-1V, 1 GiB broadcast: hybrid minus NVLink-only")
     png = _save(fig, out, "c_hybrid_gain.png")
-    plt.close(fig)
     sec.add(
         "Each NVLink-connected DGX-1V allocation, 1 GiB broadcast from its first GPU, planned on NVLink alone and on "
         f"NVLink + PCIe (section 3.4); the PCIe channel runs at {topo.pcie.bandwidth_gbps:g} GB/s per GPU, and the hybrid "
@@ -573,7 +571,6 @@ def figure_d(out: Path, quick: bool, params: SimParams) -> Section:
         sec.metrics[f"{spec}_{coll}"] = {"miad_iters": len(hist), "miad_chunk": chosen, "best": best_c,
                                          "predict_ms": predict_time(plan, topo, size, best_c, params) * 1e3}
     png = _save(fig, out, "d_chunk_miad.png")
-    plt.close(fig)
     sec.add("", f"![chunk]({png})", "")
     return sec
 
@@ -619,7 +616,6 @@ def figure_e(out: Path, quick: bool, params: SimParams) -> Section:
             f"NCCL {intra_n * 1e3:.2f} ms)"
         )
     png = _save(fig, out, "e_multiserver.png")
-    plt.close(fig)
     sec.add(
         "",
         "Paper: as the cross-server bandwidth grows, Blink's benefit grows until the servers' NVLinks become the "

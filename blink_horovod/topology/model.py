@@ -136,7 +136,7 @@ class Topology:
         gpus = tuple(gpus)
         if not gpus:
             raise TopologyError("gpus: empty GPU list")
-        bad = [g for g in gpus if not _is_int(g)]
+        bad = [g for g in gpus if not is_int(g)]
         if bad:
             raise TopologyError(f"gpus: GPU id must be an integer, got {bad[0]!r} in {list(gpus)}")
         if len(set(gpus)) != len(gpus):
@@ -205,7 +205,7 @@ class Topology:
         if not isinstance(gpus, list) or not gpus:
             raise TopologyError(f"gpus: expected a non-empty list of GPU ids, got {gpus!r}")
         for g in gpus:
-            if not _is_int(g) or g < 0:
+            if not is_int(g) or g < 0:
                 raise TopologyError(f"gpus: GPU id must be a non-negative integer, got {g!r}")
         switches = data.get("switches", [])
         if not isinstance(switches, list):
@@ -224,7 +224,7 @@ class Topology:
                 if key not in raw:
                     raise TopologyError(f"links[{i}].{key}: missing")
             count = raw.get("count", 1)
-            if not _is_int(count) or count <= 0:
+            if not is_int(count) or count <= 0:
                 raise TopologyError(f"links[{i}].count: expected a positive integer, got {count!r}")
             bw = raw.get("bandwidth_gbps")
             if bw is None:
@@ -263,19 +263,27 @@ class Topology:
 
     @classmethod
     def from_json(cls, text: str, *, source: str | None = None) -> "Topology":
-        where = f"{source}: " if source else ""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TopologyError(f"{where}malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-        except (ValueError, RecursionError) as exc:
-            # Not UTF-8, an integer of more than 4300 digits, or nesting too deep to parse.
-            raise TopologyError(f"{where}not a JSON topology: {type(exc).__name__}: {str(exc)[:120]}") from None
+        data = load_json(text, TopologyError, f"{source}: " if source else "", "a JSON topology")
         return cls.from_dict(data, source=source)
 
 
-def _is_int(x: Any) -> bool:
+def load_json(text: str, error: type[Exception], where: str, what: str) -> Any:
+    """``text`` parsed as JSON (the topology and plan formats); anything else raises ``error``
+    naming the place (``where``, e.g. ``"plan: "``) and, where it is not JSON at all, ``what`` it should be."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{where}malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except (ValueError, RecursionError) as exc:
+        # Not UTF-8, an integer of more than 4300 digits, or nesting too deep to parse.
+        raise error(f"{where}not {what}: {type(exc).__name__}: {str(exc)[:120]}") from None
+
+
+def is_int(x: Any) -> bool:
+    """An ``int`` that is not a ``bool`` (JSON integers as Python reads them)."""
     return isinstance(x, int) and not isinstance(x, bool)
+
+
 
 
 def _number(x: Any, fieldname: str) -> float:
@@ -296,7 +304,7 @@ def validate(topo: Topology) -> None:
         raise TopologyError("gpus: empty GPU list")
     seen: set[int] = set()
     for g in topo.gpus:
-        if not _is_int(g) or g < 0:
+        if not is_int(g) or g < 0:
             raise TopologyError(f"gpus: GPU id must be a non-negative integer, got {g!r}")
         if g in seen:
             raise TopologyError(f"gpus: duplicate GPU id {g}")
@@ -308,13 +316,13 @@ def validate(topo: Topology) -> None:
         for key in ("src", "dst"):
             v = getattr(link, key)
             # Only ints (GPUs) and strs (switches) are vertices: 0.0 == 0 and lists are unhashable.
-            if not (_is_int(v) or isinstance(v, str)) or v not in vertices or (isinstance(v, str) and v not in topo.switches):
+            if not (is_int(v) or isinstance(v, str)) or v not in vertices or (isinstance(v, str) and v not in topo.switches):
                 raise TopologyError(f"links[{i}].{key}: link to unknown vertex {v!r}")
         if link.src == link.dst:
             raise TopologyError(f"links[{i}]: link from {link.src!r} to itself")
         if link.kind not in LINK_KINDS:
             raise TopologyError(f"links[{i}].kind: unknown link kind {link.kind!r} (expected one of {', '.join(LINK_KINDS)})")
-        if not _is_int(link.count) or link.count <= 0:
+        if not is_int(link.count) or link.count <= 0:
             raise TopologyError(f"links[{i}].count: expected a positive integer, got {link.count!r}")
         _number(link.bandwidth_gbps, f"links[{i}].bandwidth_gbps")
         if isinstance(link.src, str) and isinstance(link.dst, str):
@@ -324,7 +332,7 @@ def validate(topo: Topology) -> None:
         placed: set[int] = set()
         for gi, group in enumerate(topo.pcie.switch_groups):
             for g in group:
-                if not _is_int(g) or g not in seen:
+                if not is_int(g) or g not in seen:
                     raise TopologyError(f"pcie.switch_groups[{gi}]: unknown GPU {g!r}")
                 if g in placed:
                     raise TopologyError(f"pcie.switch_groups[{gi}]: GPU {g} is in two groups")

@@ -76,7 +76,7 @@ def test_corrupted_chunk_is_counted_by_an_exact_check(ranks, record) -> None:
 
 
 PERF_FAULT = "corrupt:after=0:rank=1:count=100000000"
-PERF_ARGS = ["-b", "64K", "-e", "256K", "-f", "4", "-n", "2", "-w", "1", "-c", "1", "--impl", "blink"]
+PERF_ARGS = ["-b", "64K", "-e", "256K", "-f", "4", "-n", "2", "-w", "1", "-c", "1"]
 
 PERF_BY_HAND = """
 from blink_horovod.cli import main as blink
@@ -101,7 +101,7 @@ def _perf_record(record, collective: str, how: str, rc: int, rows: list, seconds
 @pytest.mark.parametrize("collective", ["allreduce", "broadcast"])
 def test_blink_perf_check_counts_wrong_elements_and_exits_nonzero(ranks, tmp_path: Path, record, collective: str) -> None:
     out_json = tmp_path / "perf.json"
-    argv = ["perf", "--collective", collective, *PERF_ARGS, "--json", str(out_json)]
+    argv = ["perf", "--collective", collective, *PERF_ARGS, "--impl", "raw", "--json", str(out_json)]
     t0 = time.monotonic()
     group = ranks.start(N, PERF_BY_HAND, params={"argv": argv}, env={"BLINK_FAULT": PERF_FAULT},
                         timeout_seconds=30, limit=120)
@@ -127,7 +127,8 @@ def test_blink_perf_under_horovodrun_counts_wrong_elements_and_exits_nonzero(tmp
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     argv = [str(launcher), "-np", str(N), "-H", f"localhost:{N}", "--gloo",
-            sys.executable, "-m", "blink_horovod", "perf", "--collective", "allreduce", *PERF_ARGS, "--json", str(out_json)]
+            sys.executable, "-m", "blink_horovod", "perf", "--collective", "allreduce", *PERF_ARGS, "--impl", "blink",
+            "--json", str(out_json)]
     t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
     rows = json.loads(out_json.read_text())["rows"] if out_json.exists() else []

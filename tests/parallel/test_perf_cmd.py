@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from blink_horovod.cli.perf_cmd import busbw_factor, size_list
+from blink_horovod.cli.perf_cmd import _impls, busbw_factor, size_list
+from blink_horovod.errors import ConfigError
 
 pytestmark = [pytest.mark.parallel, pytest.mark.timeout(300)]
 
@@ -61,6 +62,19 @@ def test_sizes_and_factors() -> None:
     assert busbw_factor("allreduce", 1) == 1.0
 
 
+def test_impl_lists_and_defaults(monkeypatch) -> None:
+    monkeypatch.delenv("HOROVOD_RANK", raising=False)
+    monkeypatch.delenv("HOROVOD_HOSTNAME", raising=False)
+    assert _impls(None, "cpu") == ["raw"]  # no Horovod: the communicator alone
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    assert _impls(None, "cpu") == ["blink"]  # under Horovod: the call users make
+    assert _impls(None, "cuda") == ["raw"]
+    assert _impls("both", "cpu") == ["blink", "horovod"]
+    assert _impls("raw, both,blink", "cpu") == ["raw", "blink", "horovod"]
+    with pytest.raises(ConfigError, match="--impl: expected blink, raw, horovod or both"):
+        _impls("blink,nccl", "cpu")
+
+
 def test_every_dtype_and_op_exact_on_three_ranks(tmp_path) -> None:
     js = tmp_path / "out.json"
     outs = run_ranks(tmp_path, 3, ["-b", "4", "-e", "256K", "-f", "64", "-n", "2", "-w", "1", "-c", "1",
@@ -77,7 +91,7 @@ def test_every_dtype_and_op_exact_on_three_ranks(tmp_path) -> None:
     assert "# Out of bounds values : 0 OK" in text
     data = json.loads(js.read_text())
     keys = {"impl", "collective", "size", "count", "type", "time_us", "algbw", "busbw", "wrong"}
-    assert data["rows"] and all(keys <= set(r) and r["wrong"] == 0 and r["impl"] == "blink" for r in data["rows"])
+    assert data["rows"] and all(keys <= set(r) and r["wrong"] == 0 and r["impl"] == "raw" for r in data["rows"])
     assert {r["type"] for r in data["rows"]} == {"float", "double", "half", "bfloat16", "int32", "int64", "int8",
                                                  "uint8", "int16"}
 
@@ -109,7 +123,9 @@ def test_corruption_is_counted_and_exit_is_non_zero(tmp_path) -> None:
         (["--device", "cuda"], "--device: cuda is not usable here"),
         (["-b", "1M", "-e", "1K"], "-e: maxbytes 1024 is below minbytes 1048576"),
         (["-n", "0"], "-n: expected an integer >= 1, got '0'"),
-        (["--impl", "nccl"], "--impl: expected blink, horovod or both, got 'nccl'"),
+        (["--impl", "nccl"], "--impl: expected blink, raw, horovod or both, got 'nccl'"),
+        (["--impl", "blink", "--rendezvous-dir", "d", "--rank", "0", "--nranks", "1"],
+         "--impl: blink and horovod need Horovod"),
         (["-b", "lots"], "-b: not a size"),
     ],
 )

@@ -38,12 +38,12 @@ import ctypes
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 from .outermost import Outermost
 
-__all__ = ["yielding", "setter", "reset"]
+__all__ = ["reset", "setter", "yielding"]
 
 _LIBRARY = "libopen-pal.so"  # Open MPI's portability layer, which holds the progress engine
 _SYMBOL = "opal_progress_set_yield_when_idle"

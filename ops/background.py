@@ -30,12 +30,12 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from .outermost import Outermost
 
-__all__ = ["noting_new_threads", "idled", "registered", "can_restore", "forget"]
+__all__ = ["can_restore", "forget", "idled", "noting_new_threads", "registered"]
 
 _lock = threading.Lock()
 _threads: set[int] = set()  # native ids of the threads Horovod's init started

@@ -1,4 +1,4 @@
-"""Open MPI yields while a Blink collective runs (runtime/mpi_yield.py), and only then."""
+"""Open MPI yields while a Blink collective runs (ops/mpi_yield.py), and only then."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import textwrap
 
 import numpy as np
 import pytest
+from blink_horovod.ops import mpi_yield
 
 from blink_horovod.config import BLINK_MPI_YIELD, load_config
 from blink_horovod.errors import ConfigError
-from blink_horovod.runtime import mpi_yield
 
 
 @pytest.fixture
@@ -54,9 +54,8 @@ def test_nested_uses_restore_once_at_the_outermost_exit(fake_setter):
 
 
 def test_restores_when_the_collective_raises(fake_setter):
-    with pytest.raises(RuntimeError):
-        with mpi_yield.yielding():
-            raise RuntimeError("peer failed")
+    with pytest.raises(RuntimeError), mpi_yield.yielding():
+        raise RuntimeError("peer failed")
     assert fake_setter["value"] is False
 
 
@@ -77,14 +76,51 @@ def test_no_open_mpi_in_the_process_is_a_no_op(monkeypatch):
         mpi_yield.reset()
 
 
-def test_the_executor_yields_during_its_collectives(fake_setter):
+def test_the_hierarchy_yields_during_blink_collectives(fake_setter):
+    from blink_horovod.ops.hierarchical import Hierarchy
+    from blink_horovod.ops.layout import Layout
     from support.loopback import run_loopback
 
     out: list[np.ndarray] = [np.arange(8, dtype=np.float32) + r for r in range(2)]
     run_loopback(2, lambda r, comm: comm.allreduce(out[r]), eager=True, join_timeout=60)
+    assert fake_setter["calls"] == []  # the raw communicator leaves Open MPI alone
+    run_loopback(2, lambda r, comm: Hierarchy(Layout(r, 2, 2), comm, None).allreduce(out[r], "sum", "t"),
+                 eager=True, join_timeout=60)
     assert True in fake_setter["calls"]
     assert fake_setter["value"] is False  # back after the last collective
-    assert np.array_equal(out[0], np.arange(8, dtype=np.float32) * 2 + 1)
+    assert np.array_equal(out[0], (np.arange(8, dtype=np.float32) * 2 + 1) * 2)
+
+
+def test_switched_off_by_the_variable(fake_setter):
+    from blink_horovod.ops.hierarchical import Hierarchy
+    from blink_horovod.ops.layout import Layout
+    from support.loopback import run_loopback
+
+    out: list[np.ndarray] = [np.arange(8, dtype=np.float32) + r for r in range(2)]
+    run_loopback(2, lambda r, comm: Hierarchy(Layout(r, 2, 2), comm, None).allreduce(out[r], "sum", "t"),
+                 env={BLINK_MPI_YIELD: "0"}, eager=True, join_timeout=60)
+    assert fake_setter["calls"] == []
+
+
+def test_only_the_communicators_collectives_are_quieted(fake_setter):
+    from blink_horovod.ops.quiet import Quiet, QuietCommunicator
+
+    class Comm:
+        local_rank = 1
+        transport = "the transport"
+
+        def allreduce(self, arr, op="sum", name=None):
+            return fake_setter["value"], op, name
+
+        def topology_name(self):
+            return fake_setter["value"]
+
+    comm = QuietCommunicator(Comm(), Quiet())
+    assert comm.allreduce(None, "max", name="x") == (True, "max", "x")  # yielding inside
+    assert comm.topology_name() is False  # not a collective: passed through as it is
+    assert (comm.local_rank, comm.transport) == (1, "the transport")
+    assert QuietCommunicator(Comm(), Quiet(mpi_yield=False)).allreduce(None)[0] is False
+    assert fake_setter["value"] is False
 
 
 def test_config_variable():
@@ -112,7 +148,7 @@ def test_real_open_mpi_flag_flips_and_comes_back():
         import ctypes
         lib = ctypes.CDLL({_open_pal()!r}, mode=ctypes.RTLD_GLOBAL)
         flag = ctypes.c_bool.in_dll(lib, "opal_progress_yield_when_idle")
-        from blink_horovod.runtime import mpi_yield
+        from blink_horovod.ops import mpi_yield
         before = flag.value
         with mpi_yield.yielding():
             inside = flag.value

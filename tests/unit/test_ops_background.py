@@ -1,4 +1,4 @@
-"""Horovod's threads at idle priority during Blink collectives (runtime/background.py), and only then."""
+"""Horovod's threads at idle priority during Blink collectives (ops/background.py), and only then."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import threading
 
 import numpy as np
 import pytest
+from blink_horovod.ops import background
 
 from blink_horovod.config import BLINK_BACKGROUND_IDLE, load_config
-from blink_horovod.runtime import background
 
 linux_sched = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "SCHED_IDLE"),
                                  reason="Linux scheduling policies")
@@ -56,9 +56,8 @@ def test_restored_when_the_collective_raises(parked_thread):
     if not background.can_restore():
         pytest.skip("no CAP_SYS_NICE")
     before = os.sched_getscheduler(parked_thread.native_id)
-    with pytest.raises(RuntimeError):
-        with background.idled():
-            raise RuntimeError("peer failed")
+    with pytest.raises(RuntimeError), background.idled():
+        raise RuntimeError("peer failed")
     assert os.sched_getscheduler(parked_thread.native_id) == before
 
 
@@ -97,15 +96,17 @@ def test_an_ended_thread_is_dropped(parked_thread):
 
 
 @linux_sched
-def test_the_executor_idles_them_during_its_collectives(parked_thread):
+def test_the_hierarchy_idles_them_during_blink_collectives(parked_thread):
     if not background.can_restore():
         pytest.skip("no CAP_SYS_NICE")
+    from blink_horovod.ops.hierarchical import Hierarchy
+    from blink_horovod.ops.layout import Layout
     from support.loopback import run_loopback
 
     from blink_horovod.runtime import executor as executor_mod
 
     seen: list[int] = []
-    originals = {n: getattr(executor_mod.Executor, n) for n in ("_collective", "_eager_collective")}
+    originals = {n: getattr(executor_mod.Executor, n) for n in ("collective", "eager_collective")}
 
     def spy(name):
         def run(self, *args, **kwargs):
@@ -118,12 +119,16 @@ def test_the_executor_idles_them_during_its_collectives(parked_thread):
     out = [np.arange(1 << 16, dtype=np.float32) + r for r in range(2)]  # eager (small) and program paths
     try:
         run_loopback(2, lambda r, comm: comm.allreduce(out[r]), eager=True, join_timeout=60)
+        assert not seen or all(p != os.SCHED_IDLE for p in seen)  # the raw communicator leaves them alone
+        seen.clear()
+        run_loopback(2, lambda r, comm: Hierarchy(Layout(r, 2, 2), comm, None).allreduce(out[r], "sum", "t"),
+                     eager=True, join_timeout=60)
     finally:
         for n, fn in originals.items():
             setattr(executor_mod.Executor, n, fn)
     assert seen and all(p == os.SCHED_IDLE for p in seen)
     assert os.sched_getscheduler(parked_thread.native_id) != os.SCHED_IDLE
-    assert np.array_equal(out[0], np.arange(1 << 16, dtype=np.float32) * 2 + 1)
+    assert np.array_equal(out[0], (np.arange(1 << 16, dtype=np.float32) * 2 + 1) * 2)
 
 
 def test_config_variable():
