@@ -169,9 +169,6 @@ def describe(errors: dict[int, dict], expect: int) -> str:
     pytest.param(*c, id="-".join(c).replace(" ", "").replace(",", "")) for c in CASES])
 def test_every_rank_of_every_server_names_field_values_and_ranks(tmp_path: Path, record, field: str, layout: str,
                                                                  controller: str, place: str) -> None:
-    known = KNOWN.get((field, layout)) or KNOWN.get((field, place))
-    if known:
-        pytest.xfail(known)
     odd = PLACEMENTS[layout][place]
     proc, ended, events = run_case(tmp_path, field, layout, controller, odd)
     survivors = [r for r in range(N) if not (field == "stall" and r in odd)]
@@ -187,6 +184,9 @@ def test_every_rank_of_every_server_names_field_values_and_ranks(tmp_path: Path,
         seconds=max((e["seconds"] for e in errors.values()), default=None),
         limits=f"timeout {TIMEOUT_S:g} s",
     )
+    known = KNOWN.get((field, layout)) or KNOWN.get((field, place))
+    if known:  # run and recorded all the same, so the report shows what happens
+        pytest.xfail(known)
     detail = (events, proc.stdout[-2000:], proc.stderr[-2000:])
     assert sorted(errors) == survivors, detail
     lines = {e["message"] for e in errors.values()}
