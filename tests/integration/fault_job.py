@@ -63,4 +63,7 @@ try:
 except Exception as exc:  # noqa: BLE001 - whatever it is, every rank reports it
     emit("error", type=type(exc).__name__, mro=[c.__name__ for c in type(exc).__mro__], message=str(exc),
          seconds=time.time() - start)
+    # mpirun ends the whole job at the first rank's non-zero exit: linger a moment, so that it cannot
+    # cut short a rank that raised the same error a few milliseconds later but has not printed it yet.
+    time.sleep(JOB.get("linger", 1.0))
     sys.exit(1)
