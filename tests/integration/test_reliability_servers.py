@@ -143,7 +143,7 @@ def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list
         PYTHONUNBUFFERED="1", HOROVOD_GLOO_TIMEOUT_SECONDS="120",
         BLINK_ENABLE="1", BLINK_TIMEOUT_SECONDS=f"{TIMEOUT_S:g}", BLINK_STALL_CHECK_SECONDS="2",
         BLINK_PLAN_CACHE=str(tmp_path / "plans"),
-        FAULT_JOB=json.dumps({"field": field, "odd": odd, "sleep": 60}),
+        FAULT_JOB=json.dumps({"field": field, "odd": odd, "sleep": 60, "events": str(tmp_path)}),
     )
     if local_size is not None:
         env["BLINK_LOCAL_SIZE"] = local_size
@@ -152,7 +152,9 @@ def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list
                               capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path, check=False)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the job did not end within 200 s: {(exc.stdout or '')[-3000:]}")
-    return proc, time.time(), events_of(proc.stdout)
+    # Each rank's own file: mpirun's tagged output may interleave the ranks' lines mid-line.
+    files = "".join(p.read_text() for p in sorted(tmp_path.glob("rank*.events")))
+    return proc, time.time(), events_of(files or proc.stdout)
 
 
 def describe(errors: dict[int, dict], expect: int) -> str:
