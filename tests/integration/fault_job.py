@@ -6,7 +6,8 @@ tests and ``benchmarks/cross_server_faults.py``.  ``FAULT_JOB`` (JSON) says what
 the odd ranks sleep, or SIGKILL themselves, instead of submitting) and ``odd`` (the global
 ranks that submit the odd value).  Every rank prints one line
 ``@@reliability {"kind": "error", "rank": r, "type": ..., "message": ..., "seconds": ...}``
-with the error it caught (or ``"kind": "no-error"``), then exits 1 on an error.
+with the error it caught (or ``"kind": "no-error"``), also appended to ``rank<r>.events`` in the
+folder ``events`` names, then exits 1 on an error.
 """
 
 import json
@@ -31,8 +32,11 @@ NAME = "mismatch"
 
 
 def emit(kind, **fields):
-    line = dict(kind=kind, rank=RANK, pid=os.getpid(), t=time.time(), **fields)
-    print("@@reliability " + json.dumps(line), flush=True)
+    line = "@@reliability " + json.dumps(dict(kind=kind, rank=RANK, pid=os.getpid(), t=time.time(), **fields))
+    print(line, flush=True)
+    if JOB.get("events"):  # mpirun's tagged output may interleave the ranks' lines mid-line: a file each too
+        with open(os.path.join(JOB["events"], f"rank{RANK}.events"), "a") as fh:
+            fh.write(line + "\n")
 
 
 def collective():
@@ -63,4 +67,7 @@ try:
 except Exception as exc:  # noqa: BLE001 - whatever it is, every rank reports it
     emit("error", type=type(exc).__name__, mro=[c.__name__ for c in type(exc).__mro__], message=str(exc),
          seconds=time.time() - start)
+    # mpirun ends the whole job at the first rank's non-zero exit: linger a moment, so that it cannot
+    # cut short a rank that raised the same error a few milliseconds later but has not printed it yet.
+    time.sleep(JOB.get("linger", 1.0))
     sys.exit(1)

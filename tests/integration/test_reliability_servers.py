@@ -72,10 +72,11 @@ PLACEMENTS = {
 }
 
 # Known limits, shown in the report rather than hidden.
+_NO_MATE = ("nobody shares memory with the stalled ranks, and stock Horovod does not tell which member of a "
+            "process set has not submitted: the others time out in the cross-server exchange without naming them")
 KNOWN = {
-    ("stall", "4x1"): "with one rank per server nobody shares memory with the stalled rank, and stock Horovod "
-                      "does not tell which member of a process set has not submitted: the ranks time out in "
-                      "the cross-server exchange without naming it",
+    ("stall", "4x1"): "one rank per server: " + _NO_MATE,
+    ("stall", "servers differ (ranks 2, 3)"): "a whole server stalls: " + _NO_MATE,
 }
 
 # (field, layout, controller, placement): few enough for CI (about 15 s each on 2 cores).
@@ -142,7 +143,7 @@ def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list
         PYTHONUNBUFFERED="1", HOROVOD_GLOO_TIMEOUT_SECONDS="120",
         BLINK_ENABLE="1", BLINK_TIMEOUT_SECONDS=f"{TIMEOUT_S:g}", BLINK_STALL_CHECK_SECONDS="2",
         BLINK_PLAN_CACHE=str(tmp_path / "plans"),
-        FAULT_JOB=json.dumps({"field": field, "odd": odd, "sleep": 60}),
+        FAULT_JOB=json.dumps({"field": field, "odd": odd, "sleep": 60, "events": str(tmp_path)}),
     )
     if local_size is not None:
         env["BLINK_LOCAL_SIZE"] = local_size
@@ -151,7 +152,9 @@ def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list
                               capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path, check=False)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the job did not end within 200 s: {(exc.stdout or '')[-3000:]}")
-    return proc, time.time(), events_of(proc.stdout)
+    # Each rank's own file: mpirun's tagged output may interleave the ranks' lines mid-line.
+    files = "".join(p.read_text() for p in sorted(tmp_path.glob("rank*.events")))
+    return proc, time.time(), events_of(files or proc.stdout)
 
 
 def describe(errors: dict[int, dict], expect: int) -> str:
@@ -168,8 +171,6 @@ def describe(errors: dict[int, dict], expect: int) -> str:
     pytest.param(*c, id="-".join(c).replace(" ", "").replace(",", "")) for c in CASES])
 def test_every_rank_of_every_server_names_field_values_and_ranks(tmp_path: Path, record, field: str, layout: str,
                                                                  controller: str, place: str) -> None:
-    if (field, layout) in KNOWN:
-        pytest.xfail(KNOWN[(field, layout)])
     odd = PLACEMENTS[layout][place]
     proc, ended, events = run_case(tmp_path, field, layout, controller, odd)
     survivors = [r for r in range(N) if not (field == "stall" and r in odd)]
@@ -185,6 +186,9 @@ def test_every_rank_of_every_server_names_field_values_and_ranks(tmp_path: Path,
         seconds=max((e["seconds"] for e in errors.values()), default=None),
         limits=f"timeout {TIMEOUT_S:g} s",
     )
+    known = KNOWN.get((field, layout)) or KNOWN.get((field, place))
+    if known:  # run and recorded all the same, so the report shows what happens
+        pytest.xfail(known)
     detail = (events, proc.stdout[-2000:], proc.stderr[-2000:])
     assert sorted(errors) == survivors, detail
     lines = {e["message"] for e in errors.values()}
