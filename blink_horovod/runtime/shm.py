@@ -365,9 +365,14 @@ class ShmTransport(Transport):
                 if self._pids is not None:
                     dead = [r for r in missing if not pid_alive(self._pids[r])]
                     if dead:
+                        # A peer that failed first may be one that did create its segment: name every dead
+                        # rank, so the one at the origin is among them whichever died second.
+                        also = [r for r in range(self.nranks)
+                                if r not in dead and r != self.rank and not pid_alive(self._pids[r])]
                         raise BlinkInternalError(
                             f"{ctx.label}: rank {dead[0]} (pid {self._pids[dead[0]]}) died before creating its "
                             f"shared memory segment"
+                            + "".join(f"; rank {r} (pid {self._pids[r]}) died too" for r in also)
                         )
                 if time.monotonic() >= ctx.deadline:
                     raise BlinkTimeoutError(
