@@ -157,7 +157,8 @@ def tensor_at(cuda: FakeCuda, offset: int, count: int, typestr: str = "<f4") -> 
     return FakeTensor(((cuda.rank + 1) << 36) + offset, count, typestr)
 
 
-def run(n: int, body):
+def run(n: int, body, close=lambda comm: comm.close()):
+    """``body(rank, comm, cuda)`` on n thread-ranks; ``close(comm)`` after it, whatever happened."""
     world = LoopbackWorld(n)
 
     def rank(r: int):
@@ -165,7 +166,7 @@ def run(n: int, body):
         try:
             return body(r, comm, cuda)
         finally:
-            comm.close()
+            close(comm)
 
     return run_ranks(rank, n, timeout=60)
 
@@ -277,17 +278,11 @@ def test_a_timeout_found_by_the_kernel_is_reported_at_the_next_call() -> None:
         comm._executor._ctl_view[1] = 0
         return True
 
-    world = LoopbackWorld(n)
+    def close(comm) -> None:  # a failed executor: nothing to drain
+        comm._executor._closed = True
+        comm._executor.t.close()
 
-    def rank(r: int):
-        comm, cuda = make_comms(world, r, n)
-        try:
-            return body(r, comm, cuda)
-        finally:
-            comm._executor._closed = True  # failed executors: nothing to drain
-            comm._executor.t.close()
-
-    assert run_ranks(rank, n, timeout=60) == [True, True]
+    assert run(n, body, close) == [True, True]
 
 
 def test_ranks_sharing_a_gpu_without_mps_are_warned(tmp_path, monkeypatch, caplog) -> None:
