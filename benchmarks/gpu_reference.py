@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from blink_horovod.cli.perf_cmd import busbw_factor, hbm_bound_busbw
+
 
 def parse_size(text: str) -> int:
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -32,6 +34,32 @@ def timed(fn, reps: int) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
+def copy_seconds(size: int, reps: int) -> float:
+    """One device-to-device copy of ``size`` bytes."""
+    src = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return timed(lambda: dst.copy_(src), reps)
+
+
+def two_shot_seconds(n: int, count: int, dt: torch.dtype, reps: int) -> float:
+    """The plain two-shot allreduce of n buffers of ``count`` elements, in one process."""
+    bufs = [torch.ones(count, dtype=dt, device="cuda") for _ in range(n)]
+    bounds = [(r * count // n, (r + 1) * count // n) for r in range(n)]
+
+    def two_shot() -> None:
+        for r, (lo, hi) in enumerate(bounds):
+            acc = bufs[r][lo:hi]
+            for q in range(n):
+                if q != r:
+                    acc.add_(bufs[q][lo:hi])
+        for r, (lo, hi) in enumerate(bounds):
+            for q in range(n):
+                if q != r:
+                    bufs[q][lo:hi].copy_(bufs[r][lo:hi])
+
+    return timed(two_shot, reps)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", default="2,4,8")
@@ -43,35 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     dt = getattr(torch, a.dtype)
     rows = []
     for size in [parse_size(s) for s in a.sizes.split(",")]:
-        src = torch.empty(size, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        copy_rate = 2 * size / timed(lambda: dst.copy_(src), a.reps)
-        del src, dst
+        copy_rate = 2 * size / copy_seconds(size, a.reps)
         for n in [int(x) for x in a.ranks.split(",")]:
-            count = size // dt.itemsize
-            bufs = [torch.ones(count, dtype=dt, device="cuda") for _ in range(n)]
-            bounds = [(r * count // n, (r + 1) * count // n) for r in range(n)]
-
-            def two_shot() -> None:
-                for r, (lo, hi) in enumerate(bounds):
-                    acc = bufs[r][lo:hi]
-                    for q in range(n):
-                        if q != r:
-                            acc.add_(bufs[q][lo:hi])
-                for r, (lo, hi) in enumerate(bounds):
-                    for q in range(n):
-                        if q != r:
-                            bufs[q][lo:hi].copy_(bufs[r][lo:hi])
-
-            t = timed(two_shot, a.reps)
-            algbw = size / t / 1e9
-            busbw = algbw * 2 * (n - 1) / n
-            bound = size / (2 * n * size / copy_rate) / 1e9 * 2 * (n - 1) / n
+            busbw = size / two_shot_seconds(n, size // dt.itemsize, dt, a.reps) / 1e9 * busbw_factor("allreduce", n)
+            bound = hbm_bound_busbw(copy_rate, size, "allreduce", n)
             rows.append({"ranks": n, "size": size, "dtype": a.dtype, "copy_rate_gbs": copy_rate / 1e9,
                          "two_shot_busbw": busbw, "hbm_bound_busbw": bound})
             print(f"n={n} size={size} {a.dtype}: copy rate {copy_rate / 1e9:.0f} GB/s, HBM bound busbw {bound:.1f}, "
                   f"torch two-shot busbw {busbw:.1f} GB/s ({100 * busbw / bound:.0f}% of the bound)", flush=True)
-            del bufs
             torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as fh:

@@ -677,12 +677,15 @@ def _hbm_bound(job: _Job, a: _Args, size: int) -> float | None:
         rate = 2 * size * reps / (start.elapsed_time(end) / 1e3)
         del src, dst
     rate = max(job.comm.allgather_object(rate, "blink.perf.copyrate"))
-    # Least HBM traffic: allreduce, n inputs read and n outputs written (2nN); broadcast, the root's input
-    # read once and n - 1 outputs written (nN).
-    seconds = (2 * n if a.collective == "allreduce" else n) * size / rate if rate > 0 else 0.0
-    if seconds <= 0:
-        return None
-    return size / seconds / 1e9 * busbw_factor(a.collective, n)
+    return hbm_bound_busbw(rate, size, a.collective, n) if rate > 0 else None
+
+
+def hbm_bound_busbw(copy_rate: float, size: int, collective: str, n: int) -> float:
+    """busbw (GB/s) of a collective of ``size`` bytes on ``n`` ranks sharing one GPU that moves only the
+    least HBM traffic at ``copy_rate`` (bytes/s, read and write counted): allreduce, n inputs read and n
+    outputs written (2nN); broadcast, the root's input read once and n - 1 outputs written (nN)."""
+    seconds = (2 * n if collective == "allreduce" else n) * size / copy_rate
+    return size / seconds / 1e9 * busbw_factor(collective, n)
 
 
 # -- printing (nccl-tests' layout) -------------------------------------------------------------

@@ -160,17 +160,19 @@ class Communicator:
     local_rank, local_size : int
         This rank and the number of ranks of the server.
     topology : Topology, optional
-        The server's topology; None: from ``BLINK_TOPOLOGY`` or ``cpu(local_size)``.
+        The server's topology; None: from ``BLINK_TOPOLOGY``, else ``cpu(local_size)`` on CPU and
+        the probe (:func:`probe_server`) on CUDA.
     rendezvous : Rendezvous
         The server's ranks (job id, allgather, barrier).
     config : Config, optional
         The ``BLINK_*`` settings; default :func:`load_config`.
     device : str
         ``"cpu"`` (numpy arrays over shared memory) or ``"cuda"`` (CUDA arrays:
-        CuPy, torch, anything with ``__cuda_array_interface__``; the GPU
-        executor, :mod:`.gpu.tree_executor`, one server, needs ``BLINK_TOPOLOGY``).
-        On CUDA a collective returns once launched on CuPy's current stream, as
-        NCCL's do; :meth:`synchronize` waits for it.
+        torch, CuPy, anything with ``__cuda_array_interface__``; the GPU
+        executor, :mod:`.gpu.tree_executor`, one server; with ``BLINK_TOPOLOGY``
+        unset the ranks probe their GPUs, :func:`probe_server`).  On CUDA a
+        collective returns once launched on the tensor's current stream (torch's;
+        CuPy's for other arrays), as NCCL's do; :meth:`synchronize` waits for it.
     transport : Transport, optional
         An already built transport (tests: the loopback one).
     planner : callable, optional

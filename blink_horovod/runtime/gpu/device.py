@@ -20,7 +20,7 @@ import numpy as np
 
 from ...errors import BlinkInternalError, ConfigError
 
-__all__ = ["Cuda", "available", "current_bus_id", "device_pointer", "stream_pointer"]
+__all__ = ["Cuda", "available", "current_bus_id", "stream_pointer"]
 
 
 def available() -> tuple[bool, str]:
@@ -37,25 +37,6 @@ def available() -> tuple[bool, str]:
     except Exception as exc:  # noqa: BLE001  # pragma: no cover
         return False, f"no CUDA device: {exc}"
     return (n > 0), f"{n} CUDA device(s)"
-
-
-def device_pointer(arr: Any) -> int:
-    """Device address of ``arr``: an int, a CuPy array, a torch tensor, or anything with
-    ``__cuda_array_interface__``."""
-    if isinstance(arr, (int, np.integer)) and not isinstance(arr, bool):
-        return int(arr)
-    # Cheapest first (this runs on every collective): torch's data_ptr(), CuPy's data.ptr; the
-    # interface dict (built anew on each access) last.
-    ptr = getattr(arr, "data_ptr", None)
-    if callable(ptr):
-        return int(ptr())
-    data = getattr(arr, "data", None)
-    if data is not None and hasattr(data, "ptr"):
-        return int(data.ptr)
-    cai = getattr(arr, "__cuda_array_interface__", None)
-    if cai is not None:
-        return int(cai["data"][0])
-    raise ConfigError(f"tensor: expected a CUDA array (CuPy, torch, __cuda_array_interface__), got {type(arr).__name__}")
 
 
 def stream_pointer(stream: Any) -> int:
@@ -80,12 +61,6 @@ def current_bus_id() -> str:
 
     rt = cupy.cuda.runtime
     return str(rt.deviceGetPCIBusId(rt.getDevice()))
-
-
-def device_count() -> int:
-    import cupy
-
-    return int(cupy.cuda.runtime.getDeviceCount())
 
 
 _BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID

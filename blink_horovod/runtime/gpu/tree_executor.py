@@ -89,8 +89,6 @@ class TreeExecutor:
         CUDA device; default the current one.
     """
 
-    fuses_average = True  # the root divides: the communicator must not finish averages itself
-
     def __init__(self, transport: Transport, timeout: float, stall: float, device: int | None = None,
                  cuda: Any = None) -> None:
         self.t = transport
@@ -113,8 +111,6 @@ class TreeExecutor:
         self.epoch = 0
         self.failed: BaseException | None = None
         self._closed = False
-        self.last_run_seconds = 0.0  # device time is not known at return: the chunk tuner gets no rate
-        self.last_setup_free = True
         self.last_meta_seconds = self.last_launch_seconds = 0.0
         self._device_thread = 0
         self._spin_s = _SPIN_S if (os.cpu_count() or 1) > self.nranks else 0.0
@@ -124,9 +120,8 @@ class TreeExecutor:
         self._replays: dict[Any, _Replay] = {}
         self._decoded: tuple[list[bytes], list[dict[str, Any]]] | None = None
         c = cuda
-        self._flags_bytes = 8 * FLAG_WORDS
-        self._own_flags = c.malloc(self._flags_bytes)
-        c.memset(self._own_flags, 0, self._flags_bytes)
+        self._own_flags = c.malloc(8 * FLAG_WORDS)
+        c.memset(self._own_flags, 0, 8 * FLAG_WORDS)
         self._ctl_host, self._ctl_view = c.host_alloc(64)  # [abort, error epoch]
         self._ctl_view[:] = 0
         self._aux = c.stream()
@@ -257,8 +252,8 @@ class TreeExecutor:
         argp = (ctypes.c_void_p * 1)(args.ctypes.data)
         if len(self._replays) > 4096:
             self._replays.clear()
-        self._replays[key] = _Replay(label, ptr, self.cuda.buffer_id(ptr), self._memo[2], self._decoded[0], args,
-                                     argp, grid, fn)
+        self._replays[key] = _Replay(label, self.cuda.buffer_id(ptr), self._memo[2], self._decoded[0], args, argp,
+                                     grid, fn)
 
     def replay(self, key: Any, ptr: int, stream: int | None) -> bool:
         """Launch again the collective last run with ``replay_key=key`` (same metadata, same tensor); False
@@ -470,23 +465,17 @@ class TreeExecutor:
             time.sleep(1e-3)
         return False
 
-    @property
-    def device(self) -> int:
-        return self.cuda.device
 
-    @property
-    def host_ordered(self) -> bool:
-        return False
 
 
 class _Replay:
     """What :meth:`TreeExecutor.replay` needs to launch a collective again."""
 
-    __slots__ = ("argp", "args", "bid", "fn", "grid", "label", "payload", "payloads", "ptr")
+    __slots__ = ("argp", "args", "bid", "fn", "grid", "label", "payload", "payloads")
 
-    def __init__(self, label: str, ptr: int, bid: int, payload: bytes, payloads: list[bytes], args: np.ndarray,
+    def __init__(self, label: str, bid: int, payload: bytes, payloads: list[bytes], args: np.ndarray,
                  argp: Any, grid: int, fn: Any) -> None:
-        self.label, self.ptr, self.bid, self.payload, self.payloads = label, ptr, bid, payload, payloads
+        self.label, self.bid, self.payload, self.payloads = label, bid, payload, payloads
         self.args, self.argp, self.grid, self.fn = args, argp, grid, fn
 
 
