@@ -410,9 +410,10 @@ class Transport(ABC):
         hops = "; ".join(f"rank {a + g} itself waits for rank {b + g}" for a, b in itertools.pairwise(chain))
         return f"; {hops}: rank {chain[-1] + g} is the one stalled"
 
-    def check_peers(self, ctx: WaitContext) -> None:
-        """Raise now if a peer has failed (called between collectives too)."""
-        self._check_peers((), ctx, "")
+    def check_peers(self, ctx: WaitContext, waiting_for: Sequence[int] = (), what: str = "") -> None:
+        """Raise now if a peer has failed (called between collectives too), or if one of the ranks
+        ``waiting_for`` (whose progress this rank waits for, ``what``) died or closed."""
+        self._check_peers(waiting_for, ctx, what)
 
     def _check_peers(self, pending: Sequence[int], ctx: WaitContext, what: str) -> None:
         for r in range(self.nranks):

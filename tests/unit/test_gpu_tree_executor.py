@@ -11,6 +11,7 @@ a mismatch raised on every rank, a device-side timeout reported.  The kernel its
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 import pytest
@@ -295,3 +296,29 @@ def test_ranks_sharing_a_gpu_without_mps_are_warned(tmp_path, monkeypatch, caplo
     assert any("without MPS" in r.message for r in caplog.records)
     (tmp_path / "control").touch()
     assert tree_executor.mps_active()
+
+
+def test_a_peer_gone_while_the_gpu_works_is_named_by_synchronize() -> None:
+    from blink_horovod.errors import BlinkInternalError
+
+    n = 2
+    gone = threading.Event()
+
+    def body(r, comm, cuda):
+        x = tensor_at(cuda, 0, 64)
+        comm.allreduce(x, name="s")
+        if r == 1:  # rank 1 leaves; rank 0's kernel would wait for it forever
+            comm._executor.t.close()
+            gone.set()
+            return None
+        gone.wait(10)
+        cuda.done = lambda ev: False
+        with pytest.raises(BlinkInternalError, match=r"rank 1 closed .* while rank 0 waits for it \(its GPU"):
+            comm.synchronize()
+        return True
+
+    def close(comm) -> None:
+        comm._executor._closed = True
+        comm._executor.t.close()
+
+    assert run(n, body, close) == [True, None]

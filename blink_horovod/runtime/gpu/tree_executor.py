@@ -134,6 +134,7 @@ class TreeExecutor:
         self._argp = (ctypes.c_void_p * 1)(self._args.ctypes.data)
         self._params = ctypes.addressof(self._argp)
         self._flag_ptrs = [0] * self.nranks
+        self._peers = [q for q in range(self.nranks) if q != self.rank]  # a kernel waits on every one of them
         self.blocks = 1
         self._setup()
 
@@ -382,12 +383,7 @@ class TreeExecutor:
             if now < spin_until and now < next_check:
                 continue
             if now >= next_check:
-                self.t.check_peers(ctx)
-                for q in range(self.nranks):
-                    if q != self.rank and not self.t.peer_alive(q):
-                        raise BlinkInternalError(
-                            f"{ctx.label}: rank {q} (pid {self.t.peer_pid(q)}) died; rank {self.rank}'s GPU waits "
-                            f"for it ({what})")
+                self.t.check_peers(ctx, self._peers, f"its GPU to finish {what}")
                 self._check_device_error(ctx)
                 next_check = now + 0.05
             if now >= ctx.deadline:
