@@ -10,6 +10,8 @@ variables set on every rank.)  Each rank trains on its own synthetic shard;
 ``DistributedOptimizer`` averages the gradients, ``broadcast_parameters`` and
 ``broadcast_optimizer_state`` start every rank from rank 0's state.
 ``--save FILE`` writes rank 0's final weights (``.npz``) so runs can be compared.
+``--device cuda`` (the default where a GPU is present) puts the model and data on
+``cuda:<local rank>``, as Horovod's examples do.
 """
 
 import argparse
@@ -30,14 +32,20 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--save", default="", help="write rank 0's final weights here (.npz)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="where the model and data live (auto: cuda when a GPU is present)")
     args = ap.parse_args()
 
     hvd.init()
     torch.manual_seed(1234 + hvd.rank())  # different initial weights per rank: the broadcast must fix them
     torch.set_num_threads(1)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
     model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
-                          nn.Linear(args.hidden, 10))
+                          nn.Linear(args.hidden, 10)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -45,8 +53,8 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(42 + hvd.rank())  # each rank its own shard
     for step in range(args.steps):
-        x = torch.randn(args.batch, 64, generator=gen)
-        y = torch.randint(0, 10, (args.batch,), generator=gen)
+        x = torch.randn(args.batch, 64, generator=gen).to(device)
+        y = torch.randint(0, 10, (args.batch,), generator=gen).to(device)
         t0 = time.perf_counter()
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
@@ -56,7 +64,7 @@ def main() -> None:
             print(f"step {step:3d}  loss {loss.item():.5f}  {1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)
 
     if args.save and hvd.rank() == 0:
-        np.savez(args.save, **{k: v.detach().numpy() for k, v in model.state_dict().items()})
+        np.savez(args.save, **{k: v.detach().cpu().numpy() for k, v in model.state_dict().items()})
     hvd.shutdown()
 
 

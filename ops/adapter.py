@@ -125,11 +125,14 @@ class Adapter:
         return {"start_timeline": start_timeline, "stop_timeline": stop_timeline, "shutdown": shutdown}
 
     def init(self, orig_init: Callable[..., Any], m: Any, args: tuple, kwargs: dict, view: StockView,
-             make_cross: Callable[[dict, Config], CrossTransport]) -> Any:
+             make_cross: Callable[[dict, Config], CrossTransport],
+             make_devices: Callable[[Any], Any] | None = None) -> Any:
         """``hvd.init(comm=None, process_sets=None)`` with Blink underneath.
 
         ``m`` is the framework's ``mpi_ops`` module; ``make_cross(sets,
-        config)`` builds the cross-server stage over the process sets.
+        config)`` builds the cross-server stage over the process sets;
+        ``make_devices(context)`` the engine's GPU stages (adapters that carry
+        GPU tensors).
         """
         with self.lock:
             if self.ctx is not None and m.is_initialized():
@@ -157,6 +160,8 @@ class Adapter:
                 return make_cross(self.cross_sets, cfg)
 
             self.ctx, self.reason = create_context(view, cross_factory, cfg)
+            if self.ctx is not None and make_devices is not None:
+                self.ctx.engine.devices = make_devices(self.ctx)
             if self.ctx is None:
                 log.warning("blink: Blink stays out of this job, stock Horovod runs every collective: %s", self.reason)
             if not self._atexit_registered:

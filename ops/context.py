@@ -57,13 +57,13 @@ class BlinkContext:
         try:
             self.engine.close()
         finally:
-            for obj in (self.communicator, self.rendezvous):
+            for obj in (self.engine.devices, self.communicator, self.rendezvous):
                 if obj is not None:
                     try:
                         obj.close()
                     except Exception as exc:  # closing must not mask the shutdown
                         log.warning("blink: closing %s: %s", type(obj).__name__, exc)
-            self.communicator = self.rendezvous = None
+            self.communicator = self.rendezvous = self.engine.devices = None
 
 
 def configure_logging(level: str) -> None:

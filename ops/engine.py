@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -49,7 +49,7 @@ from .negotiation import DTYPE_CODES, MAX_ENTRIES, Decision, Meta, Proposal, dec
     digest, encode_failure, encode_summary, failure_of, stuck_message
 from .scaling import average_postscale, needs_scaling, scale_into
 
-__all__ = ["Handle", "Work", "Engine", "StockWaiter", "identity_value"]
+__all__ = ["DeviceStages", "Handle", "Work", "Engine", "StockWaiter", "identity_value"]
 
 log = logging.getLogger("blink_horovod.ops")
 
@@ -74,7 +74,7 @@ class Handle:
     """
 
     _ids = itertools.count(1)
-    __slots__ = ("id", "name", "_event", "_value", "_error", "_stock", "_finish", "_timeout", "__weakref__")
+    __slots__ = ("id", "name", "_event", "_value", "_error", "_stock", "_finish", "_timeout", "_after", "__weakref__")
 
     def __init__(self, name: str | None, timeout: float) -> None:
         self.id = next(Handle._ids)
@@ -85,6 +85,9 @@ class Handle:
         self._stock: StockWaiter | None = None
         self._finish: Callable[[Any], Any] | None = None
         self._timeout = timeout
+        # Run by ``wait`` in the caller's thread once done: CUDA tensors make the caller's current
+        # stream wait for the collective's device work (.torch_cuda), as Horovod's NCCL path does.
+        self._after: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         state = "done" if self._event.is_set() else "pending"
@@ -113,6 +116,8 @@ class Handle:
         if self._stock is not None:
             value = self._stock.wait(self._timeout)
             return self._finish(value) if self._finish else value
+        if self._after is not None:
+            self._after()
         return self._value
 
 
@@ -124,6 +129,9 @@ class Work:
     already prescaled); ``finish`` turns the completed arrays into the
     caller's result (e.g. the output tensor).  For ``stock`` work, ``submit``
     hands the operation to stock Horovod and returns a :class:`StockWaiter`.
+    Work on a GPU (``meta.device == "cuda"``) holds flat CUDA tensors in
+    ``arrays``, their ``device`` and ``ready``, an event recorded on the
+    caller's stream after the inputs were written; :class:`DeviceStages` runs it.
     """
 
     meta: Meta
@@ -137,6 +145,8 @@ class Work:
     name: str = ""
     entry: Any = None
     since: float = 0.0
+    device: Any = None
+    ready: Any = None
 
     @property
     def kind(self) -> str:
@@ -145,6 +155,15 @@ class Work:
     @property
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.arrays))
+
+
+class DeviceStages(Protocol):
+    """The data stages of collectives on a GPU (a framework adapter's: :mod:`.torch_cuda`)."""
+
+    def allreduce(self, works: Sequence[Work], op: str, postscale: float, tag: str) -> None: ...
+    def broadcast(self, works: Sequence[Work], root: int, tag: str) -> None: ...
+    def serve(self, numel: Sequence[tuple[str, int]], op: str, tag: str) -> None: ...
+    def close(self) -> None: ...
 
 
 def identity_value(op: str, dtype: np.dtype) -> Any:
@@ -220,6 +239,7 @@ class Engine:
         self._running: set[str] = set()
         self._next_warn = 0.0
         self.last_round_seconds = 0.0
+        self.devices: DeviceStages | None = None  # the GPU stages (set by an adapter that has them)
 
     # -- submission (caller threads) -------------------------------------------------------
 
@@ -515,12 +535,21 @@ class Engine:
             by.setdefault(a.dtype, []).append(a)
         return [by[dt] for dt in sorted(by, key=_dtype_order)]
 
+    def _device_stages(self, what: str) -> DeviceStages:
+        if self.devices is None:
+            raise BlinkInternalError(f"{what} of CUDA tensors reached Blink, but this framework adapter has no "
+                                     "GPU stages")
+        return self.devices
+
     def _run_allreduce(self, works: list[Work]) -> None:
         meta = works[0].meta
         op = _base_op(meta.op)
         post = meta.postscale
         if meta.op == "average":
             post = average_postscale(post, self.size)
+        if meta.device != "cpu":
+            self._device_stages("allreduce").allreduce(works, op, post, f"blink.{self._round}")
+            return
         arrays = [a for w in works for a in w.arrays]
         for gi, group in enumerate(self._groups(arrays)):
             buf = FlatBuffer(group)
@@ -531,6 +560,9 @@ class Engine:
 
     def _run_broadcast(self, works: list[Work]) -> None:
         root = works[0].meta.root
+        if works[0].meta.device != "cpu":
+            self._device_stages("broadcast").broadcast(works, root, f"blink.{self._round}")
+            return
         arrays = [a for w in works for a in w.arrays]
         for gi, group in enumerate(self._groups(arrays)):
             buf = FlatBuffer(group, copy_in=(self.rank == root))
@@ -558,6 +590,9 @@ class Engine:
         if head is None or head.kind != "allreduce":
             return
         op = _base_op(head.op)
+        if head.device != "cpu":
+            self._device_stages("allreduce").serve(head.numel, op, f"blink.{self._round}")
+            return
         arrays = []
         for dt, n in head.numel:
             ndt = self._numpy_dtype(dt)

@@ -18,8 +18,8 @@ with different topologies, and so different trees, still meet in stage 2.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -65,11 +65,19 @@ class Hierarchy:
         How Horovod's threads are kept quiet during ``intra``'s collectives
         (default: as ``intra.config`` says, ``BLINK_MPI_YIELD`` and
         ``BLINK_BACKGROUND_IDLE``).
+    settle:
+        Called before each cross-server stage: makes the intra stage's results
+        visible to Horovod (CUDA tensors: waits for the launched kernels; on
+        CPU the intra stage has finished when it returns, so None).
+
+    The buffers are 1-D numpy arrays, or CUDA tensors when ``intra`` is a
+    communicator on ``device="cuda"`` (:mod:`.torch_cuda`).
     """
 
     def __init__(self, layout: Layout, intra: IntraCommunicator | None, cross: CrossTransport | None,
-                 quiet: Quiet | None = None) -> None:
+                 quiet: Quiet | None = None, settle: Callable[[], None] | None = None) -> None:
         self.layout = layout
+        self.settle = settle
         self.intra: IntraCommunicator | None = None
         if intra is not None:
             q = quiet if quiet is not None else Quiet.of(getattr(intra, "config", None))
@@ -83,18 +91,23 @@ class Hierarchy:
         scaling are the caller's (:mod:`.scaling`), so that they follow
         Horovod's arithmetic exactly.
         """
-        if flat.size == 0:
+        if len(flat) == 0:
             return
         if self.cross is None:
             if self.intra is not None:
                 self.intra.allreduce(flat, op)
             return
+        cross, ranks, settle = self.cross, self.layout.cross_ranks(), self.settle
+
+        def across(seg: Any, o: str) -> None:
+            if settle is not None:
+                settle()
+            cross.allreduce(seg, o, ranks, f"{tag}.x")
+
         if self.intra is None:  # one rank per server: the cross stage is the whole allreduce
-            self.cross.allreduce(flat, op, self.layout.cross_ranks(), f"{tag}.x")
+            across(flat, op)
             return
-        cross, ranks = self.cross, self.layout.cross_ranks()
-        hierarchical_allreduce(self.intra, flat, op, lambda seg, o: cross.allreduce(seg, o, ranks, f"{tag}.x"),
-                               self.layout.size)
+        hierarchical_allreduce(self.intra, flat, op, across, self.layout.size)
 
     def barrier(self, tag: str) -> None:
         """The data stage of ``hvd.barrier``: no rank leaves before every rank has finished the round.
@@ -117,13 +130,15 @@ class Hierarchy:
 
     def broadcast(self, flat: np.ndarray, root: int, tag: str) -> None:
         """Broadcast ``flat`` from global rank ``root`` to every rank of the job, in place."""
-        if flat.size == 0:
+        if len(flat) == 0:
             return
         _, root_local = self.layout.locate(root)
-        cross, ranks = self.cross, self.layout.cross_ranks()
+        cross, ranks, settle = self.cross, self.layout.cross_ranks(), self.settle
 
-        def across(arr: np.ndarray) -> None:
+        def across(arr: Any) -> None:
             if cross is not None:
+                if settle is not None:
+                    settle()
                 cross.broadcast(arr, root, ranks, f"{tag}.x")
 
         if self.intra is None:

@@ -64,6 +64,7 @@ __all__ = ["Meta", "Entry", "Proposal", "ServerView", "Decision", "decide_server
            "encode_summary", "encode_failure", "failure_of", "mismatch_message", "stuck_message", "format_ranks", "SUMMARY_LEN", "MAX_ENTRIES", "MAX_FUSED", "DTYPE_CODES", "digest"]
 
 KINDS = ("allreduce", "broadcast", "stock", "barrier")
+DEVICES = ("cpu", "cuda")
 OP_CODES = {"sum": 0, "average": 1, "min": 2, "max": 3, "product": 4, "": 5}
 DTYPE_CODES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "int16", "bool")
 MAX_ENTRIES = 64  # queued collectives one proposal carries
@@ -91,17 +92,18 @@ class Meta:
     postscale: float = 1.0
     process_set: tuple[int, ...] = ()
     stock_kind: str = ""
+    device: str = "cpu"  # "cpu" or "cuda": where the tensors live (every rank's must agree, as in Horovod)
 
     def key(self) -> tuple:
         return (self.kind, self.dtypes, self.shapes, self.op, self.root, self.prescale, self.postscale,
-                self.process_set, self.stock_kind)
+                self.process_set, self.stock_kind, self.device)
 
     def fuse_class(self) -> int:
         """Collectives with equal non-zero class may run as one fused collective."""
         if self.kind == "allreduce":
-            return digest("allreduce", self.op, self.postscale, self.process_set)
+            return digest("allreduce", self.op, self.postscale, self.process_set, self.device)
         if self.kind == "broadcast":
-            return digest("broadcast", self.root, self.process_set)
+            return digest("broadcast", self.root, self.process_set, self.device)
         return 0
 
     def numel_by_dtype(self) -> dict[str, int]:
@@ -123,7 +125,7 @@ class Meta:
 
     def entry(self, name: str) -> "Entry":
         return Entry(name, digest(self.key()), self.fuse_class(), self.nbytes(), self.kind, self.op, self.root,
-                     tuple(self.numel_by_dtype().items()), self.prescale, self.postscale)
+                     tuple(self.numel_by_dtype().items()), self.prescale, self.postscale, self.device)
 
 
 @dataclass(frozen=True)
@@ -140,11 +142,12 @@ class Entry:
     numel: tuple[tuple[str, int], ...]
     prescale: float = 1.0
     postscale: float = 1.0
+    device: str = "cpu"
 
     def serve_meta(self) -> Meta:
         dts = tuple(dt for dt, _ in self.numel)
         return Meta(self.kind, self.name, dts, tuple((n,) for _, n in self.numel), op=self.op, root=self.root,
-                    prescale=self.prescale, postscale=self.postscale)
+                    prescale=self.prescale, postscale=self.postscale, device=self.device)
 
 
 @dataclass(frozen=True)
@@ -211,12 +214,14 @@ class Decision:
 
 
 # The fields a mismatch names, in the order they are checked (the first that differs is reported).
-MISMATCH_FIELDS = ("collective", "dtype", "shape", "op", "root", "prescale", "postscale", "process set")
+MISMATCH_FIELDS = ("collective", "device", "dtype", "shape", "op", "root", "prescale", "postscale", "process set")
 
 
 def _field_value(m: Meta, field: str) -> str:
     if field == "collective":
         return m.stock_kind or m.kind
+    if field == "device":
+        return m.device
     if field == "dtype":
         return ",".join(m.dtypes) if m.dtypes else "-"
     if field == "shape":
@@ -275,14 +280,14 @@ def mismatch_message(name: str, metas: Mapping[int, Meta]) -> str:
 
 def _meta_row(m: Meta) -> list:
     return [m.kind, m.stock_kind, list(m.dtypes), [list(s) for s in m.shapes], m.op, m.root, m.prescale,
-            m.postscale, list(m.process_set)]
+            m.postscale, list(m.process_set), m.device]
 
 
 def _meta_from_row(row: Sequence, name: str) -> Meta:
-    kind, stock_kind, dtypes, shapes, op, root, pre, post, pset = row
+    kind, stock_kind, dtypes, shapes, op, root, pre, post, pset, device = row
     return Meta(kind, name, tuple(dtypes), tuple(tuple(int(d) for d in s) for s in shapes), op=op, root=int(root),
                 prescale=float(pre), postscale=float(post), process_set=tuple(int(r) for r in pset),
-                stock_kind=stock_kind)
+                stock_kind=stock_kind, device=str(device))
 
 
 def _group(metas: Mapping[int, Meta]) -> Groups:
@@ -484,7 +489,7 @@ def encode_summary(view: ServerView) -> np.ndarray:
         o = _HDR + _PER * j
         v[o] = digest(e.name)
         v[o + 1], v[o + 2], v[o + 3] = e.key, e.fuse, e.nbytes
-        v[o + 4] = KINDS.index(e.kind) * 16 + OP_CODES.get(e.op, 5)
+        v[o + 4] = DEVICES.index(e.device) * 256 + KINDS.index(e.kind) * 16 + OP_CODES.get(e.op, 5)
         v[o + 5] = e.root
         if len(e.numel) == 1 and e.numel[0][0] in DTYPE_CODES:  # single-dtype: enough for a joined server
             v[o + 6] = (DTYPE_CODES.index(e.numel[0][0]) + 1) + 16 * e.numel[0][1]
@@ -501,12 +506,12 @@ def _rows(v: np.ndarray) -> list[tuple[int, ...]]:
 
 def _entry_from_row(row: tuple[int, ...], name: str) -> Entry | None:
     """An entry a fully joined server can serve (single dtype), rebuilt from its row."""
-    kind = KINDS[row[4] // 16]
+    kind = KINDS[row[4] % 256 // 16]
     op = next(k for k, c in OP_CODES.items() if c == row[4] % 16)
     if row[6] < 0:
         return None
     numel = () if row[6] == 0 else ((DTYPE_CODES[row[6] % 16 - 1], row[6] // 16),)
-    return Entry(name, row[1], row[2], row[3], kind, op, row[5], numel)
+    return Entry(name, row[1], row[2], row[3], kind, op, row[5], numel, device=DEVICES[row[4] // 256])
 
 
 def _fuse(ready: Sequence[Entry], budget: int) -> list[Entry]:

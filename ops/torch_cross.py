@@ -1,4 +1,4 @@
-"""The cross-server stage over stock ``horovod.torch``: Horovod's rings on numpy arrays, in place.
+"""The cross-server stage over stock ``horovod.torch``: Horovod's rings on numpy arrays (or CUDA tensors), in place.
 
 The hierarchical allreduce's stage 2 (:mod:`.hierarchical`) runs on Horovod
 itself -- Gloo, MPI or NCCL, whichever the job uses -- on the process sets
@@ -68,6 +68,7 @@ class TorchCross:
         self.timeout = timeout + cross_grace(timeout)
         self.interrupt: Callable[[], None] | None = None  # raises when a server-mate has failed
         self._ops = {"sum": stock["Sum"], "min": stock["Min"], "max": stock["Max"], "product": stock["Product"]}
+        self.nccl = bool(stock["nccl_built"]()) if "nccl_built" in stock else False
 
     def _set(self, ranks: Sequence[int]) -> Any:
         return self.sets[tuple(ranks)]
@@ -83,17 +84,56 @@ class TorchCross:
             return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(arr)
 
-    def allreduce(self, arr: np.ndarray, op: str, ranks: Sequence[int], name: str) -> None:
+    def _prepared(self, arr: np.ndarray) -> tuple[Any, np.ndarray | None]:
+        """The torch tensor Horovod reduces in place, and the widened copy of a narrow array (or None)."""
         wide = _widened(arr)
-        t = self._tensor(arr if wide is None else wide)
+        return self._tensor(arr if wide is None else wide), wide
+
+    def _direct(self, t: Any) -> bool:
+        """Whether Horovod takes this CUDA tensor as it is: built with NCCL, and a dtype its CUDA kernels
+        have.  Otherwise the tensor crosses through host memory here -- as Horovod itself stages CUDA
+        tensors when built without NCCL -- which also covers bfloat16, refused on CUDA by Horovod 0.28.1."""
+        import torch
+
+        return self.nccl and t.dtype in (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
+
+    def _staged(self, t: Any, run: Callable[[np.ndarray], None]) -> None:
+        """``run`` on a host copy of CUDA tensor ``t`` (as numpy), then the result copied back."""
+        import torch
+
+        host = t.detach().to("cpu")
+        if host.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            view = host.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        else:
+            view = host.view(torch.uint8).numpy().view(np.bool_) if host.dtype == torch.bool else host.numpy()
+        run(view)
+        t.copy_(host)
+
+    def allreduce(self, arr: Any, op: str, ranks: Sequence[int], name: str) -> None:
+        if not isinstance(arr, np.ndarray):  # a CUDA tensor (.torch_cuda)
+            if not self._direct(arr):
+                self._staged(arr, lambda a: self.allreduce(a, op, ranks, name))
+                return
+            h = self.stock["_allreduce_async"](arr, arr, name, self._ops[op], 1.0, 1.0, self._set(ranks))
+            self._wait(h, f"cross-server allreduce {name}")
+            return
+        t, wide = self._prepared(arr)
         h = self.stock["_allreduce_async"](t, t, name, self._ops[op], 1.0, 1.0, self._set(ranks))
         self._wait(h, f"cross-server allreduce {name}")
         if wide is not None:
             arr[...] = wide.astype(arr.dtype)  # wraps modulo 2^bits, as the narrow sum/product would
 
-    def broadcast(self, arr: np.ndarray, root: int, ranks: Sequence[int], name: str) -> None:
-        wide = _widened(arr)
-        t = self._tensor(arr if wide is None else wide)
+    def broadcast(self, arr: Any, root: int, ranks: Sequence[int], name: str) -> None:
+        if not isinstance(arr, np.ndarray):  # a CUDA tensor (.torch_cuda)
+            if not self._direct(arr):
+                self._staged(arr, lambda a: self.broadcast(a, root, ranks, name))
+                return
+            h = self.stock["_broadcast_async"](arr, arr, root, name, self._set(ranks))
+            self._wait(h, f"cross-server broadcast {name}")
+            return
+        t, wide = self._prepared(arr)
         h = self.stock["_broadcast_async"](t, t, root, name, self._set(ranks))
         self._wait(h, f"cross-server broadcast {name}")
         if wide is not None:

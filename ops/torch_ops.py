@@ -12,16 +12,20 @@ functions (their backward passes call the same functions),
 ``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``,
 ``DistributedOptimizer``, elastic state sync.
 
-The adapter is thin: tensors become numpy arrays without copies
-(``Tensor.numpy()`` shares the memory of CPU tensors), Horovod's own argument
+The adapter is thin: CPU tensors become numpy arrays without copies
+(``Tensor.numpy()`` shares their memory), Horovod's own argument
 checks run first so that errors keep their class and text, and everything
 else -- ordering, fusion, join, timeouts, the hierarchical data movement --
 is the framework-neutral engine's (:mod:`.engine`).
 
+CUDA tensors go to Blink's GPU runtime (:mod:`.torch_cuda`: stream-ordered
+as Horovod's NCCL path, fused in GPU memory), bfloat16 included, which stock
+Horovod 0.28.1 refuses on CUDA.
+
 What Blink does not carry goes to stock Horovod (:mod:`.fallback`): Adasum,
 sparse gradients (allgather), allgather / alltoall / reducescatter, process
-sets other than the whole job, tensors not on the CPU (no GPU runtime in this
-build), and everything while the timeline records.  On the global process
+sets other than the whole job, CUDA tensors where the GPU runtime cannot run
+(no CuPy, no device), and everything while the timeline records.  On the global process
 set those still pass through the engine's ordered rounds, so that ``join``
 and the submission order keep Horovod's semantics.
 """
@@ -89,11 +93,28 @@ def _numpy(t) -> np.ndarray:
     return t.numpy()
 
 
+_gpu_why: str | None = None
+
+
+def _gpu_reason() -> str:
+    """Why Blink's GPU runtime cannot carry CUDA tensors here ("" when it can; asked once per process)."""
+    global _gpu_why
+    if _gpu_why is None:
+        from .torch_cuda import gpu_reason
+
+        _gpu_why = gpu_reason()
+    return _gpu_why
+
+
 def _carry_reason(tensors: Sequence[Any], kind: str) -> str:
     """Why Blink cannot carry these tensors ("" if it can)."""
     for t in tensors:
-        if t.device.type != "cpu":
-            return f"{t.device.type} tensors (this build has the CPU runtime only)"
+        if t.device.type == "cuda":
+            why = _gpu_reason()
+            if why:
+                return why
+        elif t.device.type != "cpu":
+            return f"{t.device.type} tensors"
         if t.is_sparse:
             return "sparse tensors"
         dt = _dtype_name(t)
@@ -101,7 +122,7 @@ def _carry_reason(tensors: Sequence[Any], kind: str) -> str:
             return f"dtype {t.dtype}"
         if dt == "bool" and kind != "broadcast":
             return "bool allreduce"
-        if dt == "bfloat16":
+        if dt == "bfloat16" and not t.is_cuda:
             try:
                 import ml_dtypes  # noqa: F401
             except ImportError:
@@ -200,7 +221,13 @@ def _horovod_check(factory, tensor) -> None:
     except ValueError:
         import torch
 
-        if tensor.dtype not in (torch.uint8, torch.int8, torch.int16, torch.bool) or not tensor.is_contiguous():
+        if not tensor.is_contiguous():
+            raise
+        # bfloat16 on CUDA (stock Horovod 0.28.1 refuses it) and CUDA tensors of a Horovod built
+        # without CUDA: Blink's GPU runtime carries them.
+        if tensor.is_cuda and _dtype_name(tensor) is not None and not _gpu_reason():
+            return
+        if tensor.dtype not in (torch.uint8, torch.int8, torch.int16, torch.bool):
             raise
 
 
@@ -224,24 +251,32 @@ def _allreduce_common(tensors, outputs, name, op, pre, post, process_set, stock_
     why = _carry_reason(tensors, "allreduce")
     if why:
         return _stock(why, why, process_set, stock_call, name, tensors)
-    arrays = []
-    for t, out in zip(tensors, outputs):
-        a_in, a_out = _numpy(t), _numpy(out)
-        if out is not t:
-            if needs_scaling(pre):
-                scale_into(a_out, a_in, pre)
-            else:
-                np.copyto(a_out, a_in)
-        elif needs_scaling(pre):
-            scale_into(a_out, a_out, pre)
-        arrays.append(a_out)
+    device, ready = None, None
+    if tensors[0].is_cuda:  # copied and prescaled in the caller's stream order (.torch_cuda)
+        from .torch_cuda import prepare
+
+        arrays, ready = prepare(tensors, outputs, pre)
+        device = outputs[0].device
+    else:
+        arrays = []
+        for t, out in zip(tensors, outputs):
+            a_in, a_out = _numpy(t), _numpy(out)
+            if out is not t:
+                if needs_scaling(pre):
+                    scale_into(a_out, a_in, pre)
+                else:
+                    np.copyto(a_out, a_in)
+            elif needs_scaling(pre):
+                scale_into(a_out, a_out, pre)
+            arrays.append(a_out)
     meta = Meta(kind="allreduce", name=name, dtypes=tuple(_dtype_name(t) for t in tensors),
                 shapes=tuple(tuple(t.shape) for t in tensors), op=opname, prescale=float(pre),
-                postscale=float(post), process_set=key)
+                postscale=float(post), process_set=key, device="cpu" if device is None else "cuda")
     ctx = _state.ctx
     handle = ctx.engine.new_handle(name)
     result = tuple(outputs) if grouped else outputs[0]
-    work = Work(meta=meta, handle=handle, arrays=arrays, finish=lambda: result, keepalive=(tensors, outputs))
+    work = Work(meta=meta, handle=handle, arrays=arrays, finish=lambda: result, keepalive=(tensors, outputs),
+                device=device, ready=ready)
     return ctx.engine.submit(work)
 
 
@@ -264,13 +299,21 @@ def _broadcast_async(tensor, output, root_rank, name, process_set):
     if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < ctx.layout.size:
         raise as_horovod_error(ConfigError(
             f"root_rank: expected a rank in 0..{ctx.layout.size - 1}, got {root_rank!r}"))
-    a_out = _numpy(output)
-    if output is not tensor:
-        np.copyto(a_out, _numpy(tensor))
+    device, ready = None, None
+    if tensor.is_cuda:
+        from .torch_cuda import prepare
+
+        arrays, ready = prepare([tensor], [output], 1.0)
+        device = output.device
+    else:
+        arrays = [_numpy(output)]
+        if output is not tensor:
+            np.copyto(arrays[0], _numpy(tensor))
     meta = Meta(kind="broadcast", name=name, dtypes=(_dtype_name(tensor),), shapes=(tuple(tensor.shape),),
-                root=int(root_rank), process_set=key)
+                root=int(root_rank), process_set=key, device="cpu" if device is None else "cuda")
     handle = ctx.engine.new_handle(name)
-    work = Work(meta=meta, handle=handle, arrays=[a_out], finish=lambda: output, keepalive=(tensor, output))
+    work = Work(meta=meta, handle=handle, arrays=arrays, finish=lambda: output, keepalive=(tensor, output),
+                device=device, ready=ready)
     return ctx.engine.submit(work)
 
 
@@ -344,12 +387,18 @@ def init(*args, **kwargs):
     def make_cross(sets, cfg):
         stock = {n: _o(n) for n in ("_allreduce_async", "_broadcast_async", "_allgather_async", "poll",
                                     "synchronize")}
-        stock.update(Sum=m.Sum, Min=m.Min, Max=m.Max, Product=m.Product)
+        stock.update(Sum=m.Sum, Min=m.Min, Max=m.Max, Product=m.Product,
+                     nccl_built=getattr(m, "nccl_built", lambda: False))
         return TorchCross(stock, sets, cfg.timeout_seconds)
+
+    def make_devices(ctx):
+        from .torch_cuda import TorchCudaStages
+
+        return TorchCudaStages(ctx.layout, ctx.cross, ctx.config, ctx.rendezvous)
 
     from horovod.torch.functions import allgather_object
 
-    return _state.init(_o("init"), m, args, kwargs, StockView(m, allgather_object), make_cross)
+    return _state.init(_o("init"), m, args, kwargs, StockView(m, allgather_object), make_cross, make_devices)
 
 
 

@@ -369,7 +369,8 @@ class Communicator:
                   op: str | None, root: int | None) -> None:
         """One collective on a CUDA tensor: the tree kernel (:mod:`.gpu.tree_executor`) runs the plan's trees
         directly over every rank's tensor, launched on the tensor's current stream."""
-        plan_key = ("allreduce", None) if collective == "allreduce" else ("broadcast", root)
+        # The hierarchical stages run the allreduce plan's two phases apart (reduce up, broadcast down).
+        plan_key = ("broadcast", root) if collective == "broadcast" else ("allreduce", None)
         ex = self._executor
         # Everything that decides this collective's metadata and kernel: a repeat (a training step's
         # buckets) replays the prepared launch.
@@ -464,13 +465,15 @@ class Communicator:
         """Stage 1: local rank i's ``arr[start:end]`` becomes the server's op over its segment.
 
         Returns ``(start, end)`` in elements of the flattened array; elements
-        outside it keep this rank's input.  ``average`` divides by the
-        server's rank count (the hierarchical caller sums and divides once).
+        outside it keep this rank's input on CPU, and may hold partial
+        reductions on CUDA (the tree kernel's reduce phase works in place;
+        stage 3 overwrites them).  ``average`` divides by the server's rank
+        count (the hierarchical caller sums and divides once).
         """
         op = check_op(op)
         flat, dtype = self._staged("reduce_to_roots", name, arr, op, "reduce", lambda runs, me: (runs, [runs[me]]))
         start, end = segment_bounds(flat.size, self.local_size, self.local_rank)
-        if op == "average" and self._executor is not None:
+        if op == "average" and self._executor is not None and self.device == "cpu":  # CUDA: the roots divide
             finish_average(flat[start:end], self.local_size, dtype)
         return start, end
 
@@ -485,10 +488,11 @@ class Communicator:
         """reduce_to_roots or broadcast_from_roots: small messages in the eager round, larger ones in
         pieces of every segment (:meth:`_segment_pieces`) of the ``kind`` program, each staged in and
         out as ``stages(runs, local_rank)`` says.  Returns the flat array and its dtype."""
-        if self.device == "cuda":
-            raise ConfigError(f"{collective}: the hierarchical stages are not wired for CUDA tensors yet "
-                              "(one server only)")
         flat, dtype = self._flat(arr, collective)
+        if self.device == "cuda":  # the tree kernel runs one phase of the allreduce plan's trees
+            if self._executor is not None and flat.size:
+                self._run_cuda(collective, name, arr, flat, dtype, op, None)
+            return flat, dtype
         if self._executor is None or flat.size == 0:
             return flat, dtype
         with self._lock:

@@ -133,6 +133,29 @@ def scenario(name: str, rank: int, n: int, comm: Communicator, args: list[str]) 
                         bad[f"broadcast {dt} root {root} {count}"] = w
         out["wrong"] = bad
         return out
+    if name == "stages":
+        # The hierarchical stages on CUDA: the kernel's reduce phase (each rank's segment reduced), then
+        # its broadcast phase (every segment everywhere): with no cross-server stage between, an allreduce.
+        counts = [int(a) for a in args[0].split(",")]
+        bad = {}
+        for dt in GPU_DTYPES:
+            for op in OPS:
+                for count in counts:
+                    want = expected(n, count, dt, op)
+                    x = device(host_values(rank, count, dt, op), dt)
+                    start, end = comm.reduce_to_roots(x, op, name=f"r.{dt}.{op}.{count}")
+                    comm.synchronize()
+                    got = as_f64(host(x, dt), dt)
+                    w = int(np.count_nonzero(got[start:end] != want[start:end]))
+                    if w:
+                        bad[f"reduce_to_roots {dt} {op} {count}"] = w
+                    comm.broadcast_from_roots(x, name=f"b.{dt}.{op}.{count}")
+                    comm.synchronize()
+                    w = wrong(x, want, dt)
+                    if w:
+                        bad[f"broadcast_from_roots {dt} {op} {count}"] = w
+        out["wrong"] = bad
+        return out
     if name == "loop":
         # Back-to-back collectives of mixed sizes, dtypes and streams, no host sync in between.
         iters = int(args[0])

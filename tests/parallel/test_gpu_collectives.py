@@ -59,6 +59,14 @@ def test_every_dtype_op_and_collective_exact(n: int) -> None:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("n", [2, 4])
+def test_hierarchical_stages_exact(n: int) -> None:
+    for out in run_ranks(n, "stages", "1,1031,65537", timeout=350):
+        assert out.get("rc") == 0, out
+        assert out["wrong"] == {}, out["wrong"]
+
+
+@pytest.mark.timeout(400)
 def test_back_to_back_mixed_collectives_without_host_sync() -> None:
     for out in run_ranks(4, "loop", "120", timeout=350):
         assert out.get("rc") == 0, out

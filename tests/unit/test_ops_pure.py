@@ -164,6 +164,22 @@ def test_mismatch_messages_name_the_field_values_and_ranks() -> None:
     scaled = Meta("allreduce", None, ("float32",), ((4,),), prescale=0.5)
     assert "prescale differs: rank 0 sent 1.0, rank 1 sent 0.5" in mismatch_message("t", {0: meta(), 1: scaled})
     assert format_ranks([7, 0, 1, 2, 3, 5]) == "ranks 0-3, 5, 7"
+    on_gpu = Meta("allreduce", None, ("float32",), ((4,),), device="cuda")
+    assert "device differs: rank 1 sent cuda, ranks 0, 2 sent cpu" in mismatch_message(
+        "t", {0: meta(), 1: on_gpu, 2: meta()})
+
+
+def test_cuda_entries_cross_servers_with_their_device() -> None:
+    """A CUDA collective's row keeps its device (a joined server serves it on its GPU) and never fuses with
+    a CPU one."""
+    from blink_horovod.ops.negotiation import Meta, _entry_from_row, _rows
+
+    gpu = Meta("allreduce", None, ("float32",), ((4,),), device="cuda")
+    view = decide_server([prop(0, ("g", gpu), ("c", meta((4,))))])
+    row = _rows(encode_summary(view))[0]
+    assert _entry_from_row(row, "g").device == "cuda" and _entry_from_row(row, "g").kind == "allreduce"
+    assert gpu.fuse_class() != meta((4,)).fuse_class()
+    assert decide_global(view, None, 0, 1 << 20).names == ["g"]
 
 
 def server_round(ranks, name, metas, asked):

@@ -46,6 +46,9 @@ log = logging.getLogger("blink_horovod.runtime")
 THREADS = 512  # BLINK_THREADS in trees.cu
 MAX_BLOCKS = 1024  # done[] words per rank
 OPS = {"sum": 0, "average": 0, "min": 1, "max": 2, "product": 3}
+# trees.cu's phases (1 reduce up the trees, 2 broadcast down) of each kind of collective: the hierarchical
+# stages run the allreduce plan's phases apart, so that local rank i's segment crosses servers in between.
+PHASES = {"allreduce": 3, "broadcast": 2, "reduce_to_roots": 1, "broadcast_from_roots": 2}
 _RED, _FIN, _DONE = 0, MAX_ITEMS, 2 * MAX_ITEMS
 FLAG_WORDS = 2 * MAX_ITEMS + MAX_BLOCKS
 _TABLES = 64  # work tables kept on the device
@@ -187,8 +190,10 @@ class TreeExecutor:
                    stream: int | None = None, replay_key: Any = None) -> list[dict[str, Any]]:
         """Launch one collective on ``arr`` (a flat CUDA array with ``ptr``, ``size``, ``nbytes``), in place.
 
-        ``kind``: ``allreduce`` (``op`` over every rank, the result everywhere) or ``broadcast`` (the plan's
-        root's tensor everywhere).  ``plan_of(all_extras)`` gives the plan (rank 0's rides in the extras on
+        ``kind``: ``allreduce`` (``op`` over every rank, the result everywhere), ``broadcast`` (the plan's
+        root's tensor everywhere), ``reduce_to_roots`` (the reduce phase alone: each tree's root holds its
+        range's result; the other ranks' elements are partial sums) or ``broadcast_from_roots`` (the
+        broadcast phase alone: each tree's root's range everywhere).  ``plan_of(all_extras)`` gives the plan (rank 0's rides in the extras on
         its first use).  Returns every rank's extras.  ``replay_key``: a hashable name of everything that
         decides this collective's metadata (the caller's promise); the next call with it may then go
         through :meth:`replay`.
@@ -229,7 +234,7 @@ class TreeExecutor:
             self.epoch += 1
             a["epoch"] = self.epoch
             a["items"], a["trees"], a["nitems"] = items, trees, work.nitems
-            a["phases"] = 3 if kind == "allreduce" else 2
+            a["phases"] = PHASES[kind]
             a["average_n"] = self.nranks if op == "average" else 0
             a["vec"] = vec
             fn = self._function(dtype, op or "sum")

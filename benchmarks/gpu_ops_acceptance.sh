@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# BLINK_ENABLE=1 with CUDA tensors under horovodrun, on a GPU machine without a package registry, in one
+# device call.  Ranks are processes sharing the GPU under MPS.  Steps (STEPS, default all but hvdtest):
+#
+#   build    Horovod 0.28.1 for CUDA tensors from the carried sdist and wheels (scripts/gpu_carry.sh fills
+#            .carry/ beforehand, where pip works): scripts/build_horovod.sh, BLINK_HOROVOD_GPU=cuda (NCCL
+#            refuses two ranks on one GPU, so the stock side stages CUDA tensors through host memory);
+#            then this project, editable.  The GPU runtime's tests run meanwhile.
+#   runtime  tests/parallel/test_gpu_collectives.py -k "stages or dtype" (the hierarchical stages on CUDA)
+#   exact    tests/parallel/test_ops_torch_cuda.py: 1x2 and 2x2 layouts, exact results, fallback 0
+#   train    examples/torch_train.py on CUDA, stock and Blink, -np 2 and -np 4 (two servers): weights
+#            compared; BLINK_TOPOLOGY unset, so the plan comes from the GPU probe (its log line kept)
+#   step     benchmarks/gpu_step_time.py (~100 M parameters), float32 and bfloat16, stock and Blink
+#   hvdtest  Horovod's test/parallel/test_torch.py at -np 2, stock and Blink (.carry/hvd-tests)
+#
+#   OUT=/tmp/out STEPS="build exact" bash benchmarks/gpu_ops_acceptance.sh
+#
+# Writes $OUT/summary.md (benchmarks/gpu_ops_summary.py) and one log per step.
+set -u
+OUT=${OUT:-build/gpu-ops-acceptance}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+START=$(date +%s)
+STEPS=${STEPS:-"build runtime exact train step"}
+export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export BLINK_TIMEOUT_SECONDS=${BLINK_TIMEOUT_SECONDS:-60} BLINK_PLAN_CACHE=${BLINK_PLAN_CACHE:-/tmp/blink-plans}
+export HOROVOD_GLOO_TIMEOUT_SECONDS=120
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/blink-mps CUDA_MPS_LOG_DIRECTORY=/tmp/blink-mps-log
+mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+nvidia-cuda-mps-control -d && sleep 1
+trap 'echo quit | nvidia-cuda-mps-control; sleep 1' EXIT
+log() { echo "[$(($(date +%s) - START)) s] $*" | tee -a "$OUT/steps.txt"; }
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+# NCCL of the nvidia-nccl wheel at run time (Horovod links it where it was built with NCCL).
+NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
+[ -n "$NCCL_LIB" ] && export LD_LIBRARY_PATH="$NCCL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+if want build; then
+    log "start build"
+    ( BLINK_CARRY=.carry BLINK_HOROVOD_GPU=${HOROVOD_GPU_MODE:-cuda} PY=python3 BLINK_BUILD_JOBS=14 \
+        BLINK_BUILD_DIR=/tmp/hvd-build bash scripts/build_horovod.sh >"$OUT/build.log" 2>&1
+      echo "rc=$?" >>"$OUT/build.log"
+      python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/build.log" 2>&1 ) &
+    BUILD_PID=$!
+fi
+if want runtime; then  # needs no Horovod: runs while it compiles
+    log "start runtime"
+    PYTHONPATH=$PWD timeout -k 5 300 python3 -m pytest tests/parallel/test_gpu_collectives.py -q -p no:cacheprovider \
+        -o addopts="" --timeout=280 -k "stages or every_dtype" >"$OUT/runtime.log" 2>&1
+    log "rc=$? runtime"
+fi
+if want build; then
+    wait "$BUILD_PID"
+    log "build: $(grep -E '^rc=' "$OUT/build.log" | tail -1); $(python3 -c 'import horovod.torch as h; print("cuda_built", h.cuda_built(), "nccl_built", h.nccl_built())' 2>&1 | tail -1)"
+fi
+if want exact; then
+    log "start exact"
+    timeout -k 5 400 python3 -m pytest tests/parallel/test_ops_torch_cuda.py -q -p no:cacheprovider -o addopts="" \
+        --timeout=380 -rA >"$OUT/exact.log" 2>&1
+    log "rc=$? exact"
+fi
+train() {  # train NAME BLINK ARGS...
+    local name=$1 blink=$2
+    shift 2
+    log "start train $name"
+    env -u BLINK_TOPOLOGY BLINK_ENABLE=$blink BLINK_LOG_LEVEL=info timeout -k 5 180 horovodrun "$@" \
+        python3 tests/parallel/ops_workers/with_stats.py examples/torch_train.py --device cuda --steps 15 \
+        --save "$OUT/w_$name.npz" >"$OUT/train_$name.log" 2>&1
+    log "rc=$? train $name"
+}
+if want train; then
+    train np2_stock 0 -np 2 -H localhost:2 --gloo
+    train np2_blink 1 -np 2 -H localhost:2 --gloo
+    train np4_stock 0 -np 4 -H localhost:2,127.0.0.1:2 --gloo
+    train np4_blink 1 -np 4 -H localhost:2,127.0.0.1:2 --gloo
+fi
+if want step; then
+    for dt in float32 bfloat16; do
+        for blink in 0 1; do
+            log "start step $dt blink=$blink"
+            BLINK_ENABLE=$blink timeout -k 5 200 horovodrun -np 2 -H localhost:2 --gloo \
+                python3 benchmarks/gpu_step_time.py --dtype $dt >"$OUT/step_${dt}_$blink.log" 2>&1
+            log "rc=$? step $dt blink=$blink"
+        done
+    done
+fi
+if want hvdtest; then
+    for blink in "" "--blink"; do
+        log "start hvdtest $blink"
+        timeout -k 5 ${HVDTEST_LIMIT:-240} python3 tests/parallel/ops_reference_suite.py \
+            --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo $blink \
+            --test-timeout 60 --timeout-method thread --json "$OUT/hvdtest${blink:+_blink}.json" \
+            >"$OUT/hvdtest${blink:+_blink}.log" 2>&1
+        log "rc=$? hvdtest $blink"
+    done
+fi
+python3 benchmarks/gpu_ops_summary.py "$OUT" >"$OUT/summary.md" 2>&1
+log "done"
+# At most 8 files come back from the device: the summary, the step log and one archive of the rest.
+(cd "$OUT" && tar czf logs.tgz --exclude logs.tgz --exclude summary.md --exclude steps.txt . \
+    && find . -type f ! -name logs.tgz ! -name summary.md ! -name steps.txt -delete)

@@ -1,0 +1,84 @@
+"""The summary of benchmarks/gpu_ops_acceptance.sh: one small markdown file from the step logs.
+
+    python benchmarks/gpu_ops_summary.py OUT_DIR > OUT_DIR/summary.md
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def last_line(path: Path, pattern: str) -> str:
+    if not path.exists():
+        return "not run"
+    hits = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if re.search(pattern, ln)]
+    return hits[-1] if hits else "no result line"
+
+
+def weights(out: Path, layout: str) -> str:
+    import numpy as np
+
+    a, b = out / f"w_{layout}_stock.npz", out / f"w_{layout}_blink.npz"
+    if not (a.exists() and b.exists()):
+        return "missing (a job failed: see its log)"
+    wa, wb = dict(np.load(a)), dict(np.load(b))
+    if wa.keys() != wb.keys():
+        return "different parameters"
+    return f"max abs difference {max(float(np.abs(wa[k] - wb[k]).max()) for k in wa):.3g}"
+
+
+def stats(path: Path) -> str:
+    if not path.exists():
+        return "-"
+    found = re.findall(r"STATS (\S+) (\{.*\})", path.read_text(errors="replace"))
+    rows = [(r, json.loads(s)) for r, s in found]
+    return "; ".join(f"rank {r}: allreduce {s['allreduce']}, broadcast {s['broadcast']}, fallback {s['fallback']}"
+                     for r, s in sorted(rows)) or "no STATS lines"
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    print("# CUDA tensors under horovodrun: acceptance summary\n")
+    print(f"- build: {last_line(out / 'build.log', r'^rc=|cuda_built|nccl_built')}")
+    print(f"- steps: {last_line(out / 'steps.txt', 'build:')}")
+    print(f"- GPU runtime tests (stages, dtypes): {last_line(out / 'runtime.log', r'passed|failed|error')}")
+    print(f"- ops exact (1x2, 2x2): {last_line(out / 'exact.log', r'passed|failed|error')}")
+    print("\n## Training, stock vs Blink (examples/torch_train.py --device cuda, 15 steps)\n")
+    for layout in ("np2", "np4"):
+        print(f"- {layout}: {weights(out, layout)}")
+        print(f"  - Blink stats: {stats(out / f'train_{layout}_blink.log')}")
+        probe = last_line(out / f"train_{layout}_blink.log", r"topology|probe|plan")
+        print(f"  - probe/plan log: {probe}")
+    print("\n## Step time, ~100 M parameters, 2 ranks (stock stages CUDA tensors through host memory)\n")
+    print("| dtype | impl | step ms | compute ms | comm ms | allreduce ms | note |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for dt in ("float32", "bfloat16"):
+        for blink in ("0", "1"):
+            p = out / f"step_{dt}_{blink}.log"
+            m = re.findall(r"STEP (\{.*\})", p.read_text(errors="replace")) if p.exists() else []
+            impl = "blink" if blink == "1" else "stock"
+            if not m:
+                print(f"| {dt} | {impl} | - | - | - | - | no result |")
+                continue
+            s = json.loads(m[-1])
+            if "error" in s:
+                print(f"| {dt} | {impl} | - | - | - | - | {s['error']} |")
+                continue
+            print(f"| {dt} | {impl} | {s['step_ms']} | {s['compute_ms']} | {s['comm_ms']} | {s['allreduce_ms']} | "
+                  f"{s['params'] / 1e6:.0f} M params |")
+    runs = {}
+    for name in ("hvdtest", "hvdtest_blink"):
+        p = out / f"{name}.json"
+        if p.exists():
+            runs[name] = json.loads(p.read_text())
+            print(f"\n- Horovod's test_torch.py, {runs[name]['mode']} -np {runs[name]['np']}: {runs[name]['counts']}")
+    if len(runs) == 2:
+        va, vb = runs["hvdtest"]["tests"], runs["hvdtest_blink"]["tests"]
+        diff = {k: (va.get(k), vb.get(k)) for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)}
+        print(f"- verdicts that differ (stock, blink): {diff or 'none'}")
+
+if __name__ == "__main__":
+    main()

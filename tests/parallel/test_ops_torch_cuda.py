@@ -1,0 +1,37 @@
+"""BLINK_ENABLE=1 with CUDA tensors under real Horovod jobs: exact results, nothing handed to stock Horovod.
+
+Skipped where there is no usable GPU (CI); the GPU acceptance (benchmarks/gpu_ops_acceptance.sh)
+runs it on the device.  ``-np 2 -H localhost:2`` is one server of two ranks (Blink's tree kernel
+alone); ``-np 4 -H localhost:2,127.0.0.1:2 --gloo`` two servers of two, so every allreduce runs the
+three stages (the kernel's reduce phase, Horovod across servers, the kernel's broadcast phase).
+Ranks sharing one GPU want MPS (the acceptance script starts it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from support.horovod_jobs import WORKERS, job_env, require_horovod, run_job, tail
+
+from blink_horovod.runtime.gpu.device import available
+
+OK, WHY = available()
+pytestmark = [pytest.mark.gpu, pytest.mark.parallel, pytest.mark.timeout(900),
+              pytest.mark.skipif(not OK, reason=f"no usable CUDA: {WHY}")]
+
+
+@pytest.mark.parametrize("hosts,servers", [(["-np", "2", "-H", "localhost:2"], 1),
+                                           (["-np", "4", "-H", "localhost:2,127.0.0.1:2", "--gloo"], 2)])
+def test_cuda_tensors_exact_and_carried(tmp_path, hosts: list[str], servers: int) -> None:
+    require_horovod()
+    env = job_env({"EXPECT_SERVERS": str(servers)}, tmp=tmp_path)
+    p = run_job([*hosts, "python", str(WORKERS / "torch_cuda_exact.py")], env, timeout=600)
+    ranks = {int(r): json.loads(s) for r, s in re.findall(r"RANK (\d+) CUDA (\{.*\})", p.stdout)}
+    n = int(hosts[1])
+    assert len(ranks) == n, tail(p)
+    for r, out in sorted(ranks.items()):
+        assert out["wrong"] == {}, (r, out["wrong"])
+        assert out["stats"]["fallback"] == 0 and out["stats"]["allreduce"] > 100, (r, out["stats"])
+    assert p.returncode == 0, tail(p)
