@@ -51,9 +51,13 @@ def _worker(args: argparse.Namespace) -> int:
     rank, size = hvd.rank(), hvd.size()
     torch.set_num_threads(1)
     torch.manual_seed(1234)
+    dev = torch.device("cpu")
+    if _use_cuda(args.device, hvd.local_size()):
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
     h = args.hidden
     model_b = nn.Sequential(nn.Linear(256, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 256),
-                            nn.ReLU(), nn.Linear(256, 10))
+                            nn.ReLU(), nn.Linear(256, 10)).to(dev)
     model_s = copy.deepcopy(model_b)
     nparams = sum(p.numel() for p in model_b.parameters())
     opt_b = hvd.DistributedOptimizer(torch.optim.SGD(model_b.parameters(), lr=0.05, momentum=0.9),
@@ -65,21 +69,26 @@ def _worker(args: argparse.Namespace) -> int:
     hvd.broadcast_parameters(model_b.state_dict(), root_rank=0)
 
     def step(model, opt, x, y) -> tuple[float, float]:
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        sync()
         t0 = time.perf_counter()
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        sync()
         t1 = time.perf_counter()
         opt.synchronize()
+        sync()
         t2 = time.perf_counter()
         with opt.skip_synchronize():
             opt.step()
+        sync()
         return t2 - t1, time.perf_counter() - t0
 
     gen = torch.Generator().manual_seed(7 + rank)
     rows = []
     for i in range(args.steps):
-        x = torch.randn(args.batch, 256, generator=gen)
-        y = torch.randint(0, 10, (args.batch,), generator=gen)
+        x = torch.randn(args.batch, 256, generator=gen).to(dev)
+        y = torch.randint(0, 10, (args.batch,), generator=gen).to(dev)
         with bypass():
             hvd.barrier()
             cs, ts = step(model_s, opt_s, x, y)
@@ -100,7 +109,7 @@ def _worker(args: argparse.Namespace) -> int:
         out = {
             "size": size, "hosts": HOSTS, "params": nparams, "grad_bytes": nparams * 4, "steps": args.steps,
             "servers": ctx.layout.num_servers if ctx else None, "local_size": ctx.layout.local_size if ctx else None,
-            "topology": ctx.communicator.topology.name if ctx and ctx.communicator else None,
+            "topology": _topology_name(ctx), "device": str(dev),
             "blink_reason": torch_ops.disabled_reason(),
             # a step's communication time is the slowest rank's
             "rows": [dict(r, stock_comm_s=max(c[i][0] for c in comm), blink_comm_s=max(c[i][1] for c in comm))
@@ -113,6 +122,26 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _use_cuda(device: str, local_size: int) -> bool:
+    """``--device``: cuda when asked, or (auto) when the server has a GPU for each of its ranks."""
+    if device == "cpu":
+        return False
+    import torch
+
+    if device == "cuda":
+        return True
+    return torch.cuda.is_available() and torch.cuda.device_count() >= local_size
+
+
+def _topology_name(ctx) -> str | None:
+    """The server topology Blink plans on: the GPU communicator's where CUDA tensors ran, else the CPU one's."""
+    if ctx is None:
+        return None
+    gpu = getattr(ctx.engine.devices, "comm", None)
+    comm = gpu if gpu is not None else ctx.communicator
+    return comm.topology.name if comm is not None else None
+
+
 # -- the launcher side -------------------------------------------------------------------------------------
 
 def _run_job(args: argparse.Namespace, out_json: str) -> dict:
@@ -120,7 +149,8 @@ def _run_job(args: argparse.Namespace, out_json: str) -> dict:
 
     cmd, env, _, _ = build_command(["-np", "4", "-H", HOSTS, "--gloo", sys.executable, "-m", "blink_horovod.demo",
                                     "--worker", "--json", out_json, "--steps", str(args.steps),
-                                    "--hidden", str(args.hidden), "--batch", str(args.batch)])
+                                    "--hidden", str(args.hidden), "--batch", str(args.batch),
+                                    "--device", args.device])
     env = dict(env)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -141,7 +171,7 @@ def _print_training(res: dict) -> None:
     print()
     print(f"Training: {res['size']} ranks = {res['servers']} servers x {res['local_size']} ranks "
           f"(-H {res['hosts']} --gloo), intra-server topology {res['topology']}; MLP of {res['params']:,} "
-          f"parameters ({mb:.1f} MB of float32 gradients), {res['steps']} steps")
+          f"parameters ({mb:.1f} MB of float32 gradients) on {res.get('device', 'cpu')}, {res['steps']} steps")
     if res.get("blink_reason"):
         print(f"  NOTE: Blink stayed out of this job: {res['blink_reason']}")
     print(f"{'step':>5}  {'stock Horovod comm (ms)':>24}  {'Blink comm (ms)':>16}  {'speedup':>8}")
@@ -201,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--timeout", type=int, default=900, help="seconds for the horovodrun job")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="where the models train (auto: cuda when every local rank has a GPU of its own)")
     ap.add_argument("--no-sim", action="store_true", help="skip the DGX-1V plan and simulation")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default="", help=argparse.SUPPRESS)
