@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 from support.horovod_jobs import WORKERS, job_env, require_horovod, run_job, tail
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.parallel, pytest.mark.timeout(900),
 def test_cuda_tensors_exact_and_carried(tmp_path, hosts: list[str], servers: int) -> None:
     require_horovod()
     env = job_env({"EXPECT_SERVERS": str(servers)}, tmp=tmp_path)
-    p = run_job([*hosts, "python", str(WORKERS / "torch_cuda_exact.py")], env, timeout=600)
+    p = run_job([*hosts, sys.executable, str(WORKERS / "torch_cuda_exact.py")], env, timeout=600)
     ranks = {int(r): json.loads(s) for r, s in re.findall(r"RANK (\d+) CUDA (\{.*\})", p.stdout)}
     n = int(hosts[1])
     assert len(ranks) == n, tail(p)
