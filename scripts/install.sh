@@ -5,7 +5,7 @@
 #   2. .venv/ with Python 3.11                              -- only if missing
 #   3. requirements.txt (pinned; torch is the local CPU build)
 #   4. horovod 0.28.1 built from the sdist with patches/horovod-0.28.1.patch
-#      (PyTorch + TensorFlow, Gloo + MPI)                    -- skipped if already built
+#      (PyTorch + TensorFlow, Gloo + MPI) by scripts/build_horovod.sh -- skipped if already built
 #   5. loud verification of the horovod build
 #   6. `pip install -e .` of this project
 #
@@ -19,6 +19,9 @@
 #   BLINK_FORCE=1          ignore stamps: re-run pip and rebuild horovod
 #   BLINK_GPU=1            GPU servers (docker/Dockerfile): accept a CUDA torch and build horovod
 #                          with HOROVOD_GPU_OPERATIONS=NCCL (needs the CUDA toolkit and NCCL)
+#   BLINK_HOROVOD_GPU=m    with BLINK_GPU=1: nccl (default) or cuda (no GPU operations; ranks may
+#                          share a GPU); see `bash scripts/build_horovod.sh --help`
+#   BLINK_CARRY=dir        offline: take the horovod sdist (and wheels) from dir (scripts/gpu_carry.sh)
 #   BLINK_REQUIREMENTS=f   requirements file instead of requirements.txt (docker/requirements-gpu.txt)
 set -euo pipefail
 
@@ -50,6 +53,7 @@ die()  {
     printf '[install] install FAILED after %ds\n' "$((SECONDS - T0))" >&2
     exit 1
 }
+# shellcheck disable=SC2154  # rc is assigned inside the trap
 trap 'rc=$?; printf "\n[install] ERROR: command failed (exit %s) at %s:%s: %s\n[install] install FAILED after %ds\n" "$rc" "${BASH_SOURCE[0]}" "$LINENO" "$BASH_COMMAND" "$((SECONDS - T0))" >&2' ERR
 
 sha() { sha256sum "$@" | awk '{print $1}' | sha256sum | awk '{print $1}'; }
@@ -220,53 +224,14 @@ elif stamp_is "$HVD_STAMP" "$HVD_HASH" && horovod_files_ok >/dev/null 2>&1; then
 else
     rm -f "$STAMP" "$HVD_STAMP"
     log "  building horovod (takes ~4-8 min on 2 cores) ..."
-    mkdir -p "$BUILD/sdist"
-    SDIST="$(ls "$BUILD"/sdist/horovod-"$HVD_VERSION".tar.gz 2>/dev/null || true)"
-    if [ -z "$SDIST" ]; then
-        log "  downloading the horovod==$HVD_VERSION sdist"
-        # --no-build-isolation: pip prepares the sdist's metadata with the venv's
-        # setuptools instead of fetching (and, with --no-binary, compiling) its own.
-        "$PY" -m pip download --quiet --progress-bar off --no-deps --no-binary :all: \
-            --no-build-isolation -d "$BUILD/sdist" "horovod==$HVD_VERSION" \
-            || die "pip download horovod==$HVD_VERSION failed"
-        SDIST="$BUILD/sdist/horovod-$HVD_VERSION.tar.gz"
-        [ -f "$SDIST" ] || die "pip download did not produce $SDIST"
-    fi
-    SRC="$BUILD/horovod-$HVD_VERSION"
-    rm -rf "$SRC"
-    tar -xzf "$SDIST" -C "$BUILD"
-    [ -d "$SRC" ] || die "unpacking $SDIST did not give $SRC"
-    log "  applying $(basename "$PATCH")"
-    patch -d "$SRC" -p1 --forward --batch <"$PATCH" >"$BUILD/patch.log" 2>&1 \
-        || { cat "$BUILD/patch.log" >&2; die "patch $PATCH does not apply to horovod $HVD_VERSION"; }
-    BUILD_LOG="$BUILD/horovod-build.log"
-    log "  compiling (log: ${BUILD_LOG#"$ROOT"/}, MAKEFLAGS=-j$JOBS)"
-    # unset CUDA hints so horovod never attempts a GPU build here (BLINK_GPU=1: build with NCCL)
-    if [ "$GPU" = 1 ]; then GPU_ENV=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED)
-    else GPU_ENV=(-u HOROVOD_GPU -u HOROVOD_GPU_OPERATIONS -u HOROVOD_GPU_ALLREDUCE -u HOROVOD_GPU_BROADCAST); fi
-    env "${GPU_ENV[@]}" \
-        HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 \
-        HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1 \
-        MAKEFLAGS="-j$JOBS" \
-        "$PY" -m pip install --no-build-isolation --no-deps --no-cache-dir --progress-bar off -v "$SRC" \
-        >"$BUILD_LOG" 2>&1 &
-    pid=$!
-    t_build=$SECONDS
-    rc=0
-    while kill -0 "$pid" 2>/dev/null; do
-        sleep 5
-        if [ $(( (SECONDS - t_build) % 30 )) -lt 5 ] && kill -0 "$pid" 2>/dev/null; then
-            pct="$(grep -aoE '\[ *[0-9]+%\]' "$BUILD_LOG" 2>/dev/null | tail -n 1 | tr -d '[] ' || true)"
-            log "  ... still compiling ($((SECONDS - t_build)) s${pct:+, cmake at $pct})"
-        fi
-    done
-    wait "$pid" || rc=$?
-    if [ "$rc" -ne 0 ]; then
-        echo "------ last 60 lines of $BUILD_LOG ------" >&2
-        tail -n 60 "$BUILD_LOG" >&2
-        die "horovod build failed (exit $rc); full log: $BUILD_LOG"
-    fi
-    log "  horovod compiled and installed in $((SECONDS - t_build)) s"
+    # scripts/build_horovod.sh: download/unpack/patch, compile into .venv, verify; its log lines
+    # continue these. CPU: no GPU operations (GPU hints in the environment are dropped).
+    if [ "$GPU" = 1 ]; then HVD_GPU="${BLINK_HOROVOD_GPU:-nccl}"; else HVD_GPU=none; fi
+    PY="$PY" BLINK_HOROVOD_GPU="$HVD_GPU" BLINK_HOROVOD_TF=1 BLINK_HOROVOD_MPI=1 \
+        BLINK_BUILD_JOBS="$JOBS" BLINK_BUILD_DIR="$BUILD" BLINK_SITE_TARGET="" \
+        BLINK_LOG_TAG=install BLINK_LOG_INDENT="  " BLINK_LOG_SECONDS="$((SECONDS - T0))" \
+        bash "$ROOT/scripts/build_horovod.sh" \
+        || die "horovod build failed (messages above; log: $BUILD/horovod-build.log)"
     BUILT_NOW=1
 fi
 
