@@ -5,8 +5,8 @@
 #   build    Horovod 0.28.1 for CUDA tensors from the carried sdist and wheels (scripts/gpu_carry.sh fills
 #            .carry/ beforehand, where pip works): scripts/build_horovod.sh, BLINK_HOROVOD_GPU=cuda (NCCL
 #            refuses two ranks on one GPU, so the stock side stages CUDA tensors through host memory);
-#            then this project, editable.  The GPU runtime's tests run meanwhile.
-#   runtime  tests/parallel/test_gpu_collectives.py -k "stages or dtype" (the hierarchical stages on CUDA)
+#            then this project (not editable: an editable install asks a registry for setuptools).  The GPU runtime's tests run meanwhile.
+#   runtime  tests/parallel/test_gpu_collectives.py -k "${RUNTIME_K:-stages}" (the hierarchical stages on CUDA)
 #   exact    tests/parallel/test_ops_torch_cuda.py: 1x2 and 2x2 layouts, exact results, fallback 0
 #   train    examples/torch_train.py on CUDA, stock and Blink, -np 2 and -np 4 (two servers): weights
 #            compared; BLINK_TOPOLOGY unset, so the plan comes from the GPU probe (its log line kept)
@@ -37,21 +37,23 @@ NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nc
 
 if want build; then
     log "start build"
-    ( BLINK_CARRY=.carry BLINK_HOROVOD_GPU=${HOROVOD_GPU_MODE:-cuda} PY=python3 BLINK_BUILD_JOBS=14 \
+    ( BLINK_CARRY=.carry BLINK_HOROVOD_GPU=${HOROVOD_GPU_MODE:-cuda} PY=python3 BLINK_BUILD_JOBS=14 BLINK_HOROVOD_MPI=${BLINK_HOROVOD_MPI:-0} \
         BLINK_BUILD_DIR=/tmp/hvd-build bash scripts/build_horovod.sh >"$OUT/build.log" 2>&1
       echo "rc=$?" >>"$OUT/build.log"
-      python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/build.log" 2>&1 ) &
+      # not editable: setup.py's develop step runs pip with build isolation, which needs a registry
+      python3 -m pip install -q --no-deps --no-build-isolation . >>"$OUT/build.log" 2>&1
+      echo "blink install rc=$?" >>"$OUT/build.log" ) &
     BUILD_PID=$!
 fi
 if want runtime; then  # needs no Horovod: runs while it compiles
     log "start runtime"
     PYTHONPATH=$PWD timeout -k 5 300 python3 -m pytest tests/parallel/test_gpu_collectives.py -q -p no:cacheprovider \
-        -o addopts="" --timeout=280 -k "stages or every_dtype" >"$OUT/runtime.log" 2>&1
+        -o addopts="" --timeout=280 -k "${RUNTIME_K:-stages}" >"$OUT/runtime.log" 2>&1
     log "rc=$? runtime"
 fi
 if want build; then
     wait "$BUILD_PID"
-    log "build: $(grep -E '^rc=' "$OUT/build.log" | tail -1); $(python3 -c 'import horovod.torch as h; print("cuda_built", h.cuda_built(), "nccl_built", h.nccl_built())' 2>&1 | tail -1)"
+    log "build: $(grep -E '^rc=|^blink install' "$OUT/build.log" | tr '\n' ' '); $(python3 -c 'import horovod.torch as h; print("cuda_built", h.cuda_built(), "nccl_built", h.nccl_built())' 2>&1 | tail -1)"
 fi
 if want exact; then
     log "start exact"
@@ -97,5 +99,5 @@ fi
 python3 benchmarks/gpu_ops_summary.py "$OUT" >"$OUT/summary.md" 2>&1
 log "done"
 # At most 8 files come back from the device: the summary, the step log and one archive of the rest.
-(cd "$OUT" && tar czf logs.tgz --exclude logs.tgz --exclude summary.md --exclude steps.txt . \
-    && find . -type f ! -name logs.tgz ! -name summary.md ! -name steps.txt -delete)
+(cd "$OUT" && tar czf /tmp/gpu-ops-logs.tgz --exclude summary.md --exclude steps.txt . \
+    && find . -type f ! -name summary.md ! -name steps.txt -delete && mv /tmp/gpu-ops-logs.tgz logs.tgz)

@@ -42,7 +42,7 @@ def stats(path: Path) -> str:
 def main() -> None:
     out = Path(sys.argv[1])
     print("# CUDA tensors under horovodrun: acceptance summary\n")
-    print(f"- build: {last_line(out / 'build.log', r'^rc=|cuda_built|nccl_built')}")
+    print(f"- build: {last_line(out / 'build.log', r'^rc=|^blink install')}")
     print(f"- steps: {last_line(out / 'steps.txt', 'build:')}")
     print(f"- GPU runtime tests (stages, dtypes): {last_line(out / 'runtime.log', r'passed|failed|error')}")
     print(f"- ops exact (1x2, 2x2): {last_line(out / 'exact.log', r'passed|failed|error')}")
@@ -50,7 +50,7 @@ def main() -> None:
     for layout in ("np2", "np4"):
         print(f"- {layout}: {weights(out, layout)}")
         print(f"  - Blink stats: {stats(out / f'train_{layout}_blink.log')}")
-        probe = last_line(out / f"train_{layout}_blink.log", r"topology|probe|plan")
+        probe = last_line(out / f"train_{layout}_blink.log", r"BLINK_TOPOLOGY unset|CUDA tensors on|topology")
         print(f"  - probe/plan log: {probe}")
     print("\n## Step time, ~100 M parameters, 2 ranks (stock stages CUDA tensors through host memory)\n")
     print("| dtype | impl | step ms | compute ms | comm ms | allreduce ms | note |")
