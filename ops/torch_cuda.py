@@ -132,6 +132,7 @@ class TorchCudaStages:
         self.stream: Any = None
         self.hierarchy: Hierarchy | None = None
         self._buffers: dict[Any, Any] = {}
+        self.join_device: Any = None  # the caller's current GPU at hvd.join() (a joined rank serves there)
 
     # -- setup -------------------------------------------------------------------------
     def _ready(self, device: Any) -> Any:
@@ -254,7 +255,7 @@ class TorchCudaStages:
         from .engine import identity_value
 
         if self.device is None:
-            self._ready(torch.device("cuda", torch.cuda.current_device()))
+            self._ready(self.join_device or torch.device("cuda", torch.cuda.current_device()))
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             for gi, (dt, n) in enumerate(numel):
                 tdt = getattr(torch, "uint8" if dt == "bool" else dt)

@@ -362,6 +362,12 @@ def join(device=-1) -> int:
     if bypassed() or _state.ctx is None:
         return _o("join")(device)
     ctx = _state.ctx
+    devices = ctx.engine.devices
+    if devices is not None and devices.device is None:  # a joined rank may serve CUDA rounds: on this GPU
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            devices.join_device = torch.device("cuda", torch.cuda.current_device())
     handle = ctx.engine.new_handle(None)
     ctx.engine.submit(Work(meta=Meta(kind="barrier", name=None, dtypes=(), shapes=()), handle=handle, join=True))
     return int(handle.wait())

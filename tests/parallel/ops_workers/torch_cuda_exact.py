@@ -115,6 +115,14 @@ except hvd.HorovodInternalError as exc:
     if f"shape differs: rank {n - 1} sent [18]" not in str(exc):
         wrong[f"mismatch message: {exc}"] = 1
 
+# join: rank 0 joins first and contributes the identity on its GPU; Average divides by the job size
+if r == 0:
+    hvd.join()
+else:
+    out = hvd.allreduce(torch.full((4,), 6.0, device=DEV), op=hvd.Average, name="joined")
+    check("allreduce beside a joined rank", out, torch.full((4,), 6.0 * (n - 1) / n))
+    hvd.join()
+
 st = blink_horovod.stats()
 if st["fallback"] != 0:
     wrong["fallback"] = st["fallback"]
