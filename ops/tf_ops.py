@@ -12,6 +12,11 @@ Gradients are Horovod's: the gradient of an allreduce is the same allreduce
 of the upstream gradient (``tf.custom_gradient``); of a broadcast, an
 averaged allreduce kept on the root only.
 
+In jobs of several servers, the hierarchical allreduce's cross-server stage
+runs on Horovod's own TF ops (:class:`_TFCross`), on a worker thread that the
+engine waits for with a deadline, as the torch adapter waits for Horovod's
+handles.
+
 Replaced: ``_allreduce``, ``_grouped_allreduce``, ``broadcast``,
 ``broadcast_`` (in-place variables), ``join``, ``init``, ``shutdown``, the
 timeline switches, and the gradient-allreduce factory behind
@@ -25,8 +30,11 @@ while the timeline records (counted in ``stats()["fallback"]``).
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, Sequence
 
 import numpy as np
@@ -39,6 +47,7 @@ from .fallback import fallback
 from .negotiation import Meta
 from .patching import bypass, bypassed, originals, replace_everywhere
 from .scaling import needs_scaling, scale_into
+from .torch_cross import cross_grace, wait_horovod
 
 __all__ = ["install", "context", "disabled_reason"]
 
@@ -358,35 +367,138 @@ def _make_cached_allreduce_grads_fn(name, device_dense, device_sparse, compressi
 
 # -- init / shutdown ----------------------------------------------------------------------------------------
 
-class _TFCross:
-    """Cross-server stage over the original ``horovod.tensorflow`` ops, run eagerly on the engine thread."""
+class _CrossJob:
+    """One stock op handed to a :class:`_CrossWorker`: its result (or error) once ``done`` is set."""
 
-    def __init__(self, sets: dict, m) -> None:
+    __slots__ = ("done", "error", "fn", "result")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+class _CrossWorker:
+    """A daemon thread running the stock ops handed to it, one after the other."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_CrossJob | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="blink-tf-cross", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        with bypass():  # whatever this thread calls of Horovod is stock Horovod
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                job.run()
+
+    def submit(self, fn: Callable[[], Any]) -> _CrossJob:
+        job = _CrossJob(fn)
+        self._jobs.put(job)
+        return job
+
+    def stop(self) -> None:
+        """The thread ends once the op it runs (if any) returns."""
+        self._jobs.put(None)
+
+
+# How long one poll of a running cross-server op blocks: it wakes as soon as the op completes, and
+# between polls the deadline and the server-mates are checked (wait_horovod).
+_POLL_S = 0.01
+
+
+def _poll(job: _CrossJob) -> bool:
+    return job.done.wait(_POLL_S)
+
+
+def _synchronize(job: _CrossJob) -> Any:
+    if job.error is not None:
+        raise job.error
+    return job.result
+
+
+class _TFCross:
+    """Cross-server stage over the original ``horovod.tensorflow`` ops, bounded and interruptible like
+    :class:`.torch_cross.TorchCross`.
+
+    ``horovod.tensorflow`` has no handle to poll (``horovod.torch`` has ``poll``/``synchronize``):
+    an op run eagerly blocks its thread until Horovod completes it.  So each op runs on a worker
+    thread, and the engine thread waits for it with :func:`.torch_cross.wait_horovod`: up to
+    ``BLINK_TIMEOUT_SECONDS`` plus :func:`.torch_cross.cross_grace`, raising ``BlinkTimeoutError``
+    past it, and calling ``interrupt`` (set by :func:`.context.create_context`: it raises the error
+    a server-mate aborted with) between polls.  The op's input tensor is made, and its result
+    copied into the engine's array, on the engine thread: the worker only reads that array (TF
+    may share its memory), so an op left behind never writes into it.
+
+    When a wait gives up, its op is stranded: it stays queued in Horovod (the peers that never
+    submitted it) and its worker thread stays blocked in it, until Horovod completes it (the
+    peers submit it after all) or shuts down (``hvd.shutdown``, the process's exit), which ends
+    it with an error nobody reads.  By then the engine has stopped with the error it raised; the
+    next op, should there be one, runs on a fresh worker thread (a daemon: a stranded op never
+    holds the process at exit).
+    """
+
+    def __init__(self, sets: dict, m, timeout: float) -> None:
         self.sets = sets
         self.m = m
+        # As TorchCross: the peers waiting for a rank that found a fault within its server wait this
+        # much longer than BLINK_TIMEOUT_SECONDS, to hear of it from that rank.
+        self.timeout = timeout + cross_grace(timeout)
+        self.interrupt: Callable[[], None] | None = None  # raises when a server-mate has failed
         self._ops = {"sum": m.Sum, "min": m.Min, "max": m.Max, "product": m.Product}
+        self._worker: _CrossWorker | None = None
+
+    def _run(self, fn: Callable[[], Any], what: str) -> np.ndarray:
+        """``fn()`` (a stock op, then ``.numpy()``) on the worker thread, waited for with the deadline."""
+        if self._worker is None:
+            self._worker = _CrossWorker()
+        job = self._worker.submit(fn)
+        try:
+            return wait_horovod(_poll, _synchronize, job, self.timeout, what, self.interrupt)
+        except BaseException:
+            if not job.done.is_set():  # stranded: the next op gets a thread of its own
+                self._worker.stop()
+                self._worker = None
+            raise
 
     def allreduce(self, arr: np.ndarray, op: str, ranks: Sequence[int], name: str) -> None:
-        tf = _tf()
-        out = _o("_allreduce")(tf.constant(arr), name=name, op=self._ops[op], process_set=self.sets[tuple(ranks)])
-        np.copyto(arr, out.numpy())
+        t = _tf().constant(arr)
+        ps, red = self.sets[tuple(ranks)], self._ops[op]
+        out = self._run(lambda: _o("_allreduce")(t, name=name, op=red, process_set=ps).numpy(),
+                        f"cross-server allreduce {name}")
+        np.copyto(arr, out)
 
     def broadcast(self, arr: np.ndarray, root: int, ranks: Sequence[int], name: str) -> None:
-        tf = _tf()
-        out = _o("broadcast")(tf.constant(arr), root, name=name, process_set=self.sets[tuple(ranks)])
-        np.copyto(arr, out.numpy())
+        t = _tf().constant(arr)
+        ps = self.sets[tuple(ranks)]
+        out = self._run(lambda: _o("broadcast")(t, root, name=name, process_set=ps).numpy(),
+                        f"cross-server broadcast {name}")
+        np.copyto(arr, out)
 
     def allgather_rows(self, row: np.ndarray, ranks: Sequence[int], name: str) -> np.ndarray:
-        tf = _tf()
-        out = _o("allgather")(tf.constant(row.reshape(1, -1)), name=name, process_set=self.sets[tuple(ranks)])
-        return out.numpy()
+        t = _tf().constant(row.reshape(1, -1))
+        ps = self.sets[tuple(ranks)]
+        return self._run(lambda: _o("allgather")(t, name=name, process_set=ps).numpy(),
+                         f"cross-server metadata {name}")
 
 
 def init(*args, **kwargs):
     from horovod.tensorflow.functions import allgather_object
 
     m = _m
-    return _state.init(_o("init"), m, args, kwargs, StockView(m, allgather_object), lambda sets, cfg: _TFCross(sets, m))
+    return _state.init(_o("init"), m, args, kwargs, StockView(m, allgather_object),
+                       lambda sets, cfg: _TFCross(sets, m, cfg.timeout_seconds))
 
 
 

@@ -10,6 +10,11 @@ field, both values and the global ranks that sent each ("allreduce
 and no rank may die of a secondary error (Horovod shut down under it) first.
 The job must end within 30 s of the fault.
 
+The same faults under ``horovod.tensorflow`` (``fault_job_tf.py``, collectives called
+eagerly) must end the same way: the TensorFlow adapter's cross-server stage waits for
+Horovod's TF ops with the same deadline and the same check of the server-mates as the
+torch one (:data:`TF_CI_CASES`; CI only: the full matrix, and docs/reliability.md, are torch's).
+
 Layouts: 1x4 (one server of four ranks), 2x2 (``-H localhost:2,127.0.0.1:2``
 under Gloo, ``BLINK_LOCAL_SIZE=2`` under MPI) and 4x1 (``BLINK_LOCAL_SIZE=1``).
 CI runs a few representative cases (:data:`CI_CASES`); ``benchmarks/cross_server_faults.py``
@@ -32,6 +37,7 @@ pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).resolve().parent / "fault_job.py"
+JOBS = {"torch": JOB, "tf": Path(__file__).resolve().parent / "fault_job_tf.py"}
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 N = 4
 TIMEOUT_S = 5.0   # BLINK_TIMEOUT_SECONDS of the jobs: a name mismatch and a stall end by it
@@ -92,6 +98,15 @@ CI_CASES = [
 ]
 
 
+# The same faults under horovod.tensorflow: a mismatch found on one server, one found only by comparing
+# the servers, and a stalled rank whose cross-server peer must learn of it from its server-mate.
+TF_CI_CASES = [
+    ("shape", "2x2", "gloo", "server 0 (rank 1)"),
+    ("op", "2x2", "gloo", "servers differ (ranks 2, 3)"),
+    ("stall", "2x2", "gloo", "server 1 (rank 3)"),
+]
+
+
 def full_matrix() -> list[tuple[str, str, str, str]]:
     out = []
     for controller in ("gloo", "mpi"):
@@ -103,6 +118,17 @@ def full_matrix() -> list[tuple[str, str, str, str]]:
 
 
 CASES = full_matrix() if os.environ.get("BLINK_FAULT_MATRIX") == "full" else CI_CASES
+
+
+def case_params() -> list:
+    """pytest parameters (field, layout, controller, place, framework): torch's cases, then TF's (ids "tf-...")."""
+    def case_id(c):
+        return "-".join(c).replace(" ", "").replace(",", "")
+
+    out = [pytest.param(*c, "torch", id=case_id(c)) for c in CASES]
+    if os.environ.get("BLINK_FAULT_MATRIX") != "full":
+        out += [pytest.param(*c, "tf", id="tf-" + case_id(c)) for c in TF_CI_CASES]
+    return out
 
 
 def format_ranks(ranks) -> str:
@@ -133,14 +159,14 @@ def events_of(text: str) -> list[dict]:
     return out
 
 
-def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list[int]):
+def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list[int], framework: str = "torch"):
     hosts, local_size = LAYOUTS[(layout, controller)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BLINK_", "HOROVOD_"))}
     env.update(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
         OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1", HOROVOD_GLOO_TIMEOUT_SECONDS="120",
+        PYTHONUNBUFFERED="1", HOROVOD_GLOO_TIMEOUT_SECONDS="120", TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2",
         BLINK_ENABLE="1", BLINK_TIMEOUT_SECONDS=f"{TIMEOUT_S:g}", BLINK_STALL_CHECK_SECONDS="2",
         BLINK_PLAN_CACHE=str(tmp_path / "plans"),
         FAULT_JOB=json.dumps({"field": field, "odd": odd, "sleep": 60, "events": str(tmp_path)}),
@@ -148,7 +174,7 @@ def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list
     if local_size is not None:
         env["BLINK_LOCAL_SIZE"] = local_size
     try:
-        proc = subprocess.run([str(HOROVODRUN), "-np", str(N), *hosts, sys.executable, str(JOB)],
+        proc = subprocess.run([str(HOROVODRUN), "-np", str(N), *hosts, sys.executable, str(JOBS[framework])],
                               capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path, check=False)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the job did not end within 200 s: {(exc.stdout or '')[-3000:]}")
@@ -167,17 +193,17 @@ def describe(errors: dict[int, dict], expect: int) -> str:
 
 
 @needs_horovod
-@pytest.mark.parametrize("field,layout,controller,place", [
-    pytest.param(*c, id="-".join(c).replace(" ", "").replace(",", "")) for c in CASES])
+@pytest.mark.parametrize("field,layout,controller,place,framework", case_params())
 def test_every_rank_of_every_server_names_field_values_and_ranks(tmp_path: Path, record, field: str, layout: str,
-                                                                 controller: str, place: str) -> None:
+                                                                 controller: str, place: str,
+                                                                 framework: str) -> None:
     odd = PLACEMENTS[layout][place]
-    proc, ended, events = run_case(tmp_path, field, layout, controller, odd)
+    proc, ended, events = run_case(tmp_path, field, layout, controller, odd, framework)
     survivors = [r for r in range(N) if not (field == "stall" and r in odd)]
     errors = {e["rank"]: e for e in events if e["kind"] == "error" and e["rank"] in survivors}
     fault_at = min((e["t"] - e["seconds"] for e in errors.values()), default=None)
     record(
-        case=f"{field}, {layout} ({controller}), odd: {place}",
+        case=f"{field}, {layout} ({controller}{', horovod.tensorflow' if framework == 'tf' else ''}), odd: {place}",
         fault="mismatch across servers" if field != "stall" else "a rank stalls, several servers",
         injected=(f"ranks {odd} sleep 60 s instead of submitting" if field == "stall" else
                   f"ranks {odd} submit {VALUES[field][0]}, the others {VALUES[field][1]}"),
