@@ -47,7 +47,7 @@ from .fallback import fallback
 from .negotiation import Meta
 from .patching import bypass, bypassed, originals, replace_everywhere
 from .scaling import needs_scaling, scale_into
-from .torch_cross import cross_grace, wait_horovod
+from .horovod_wait import cross_grace, wait_horovod
 
 __all__ = ["install", "context", "disabled_reason"]
 
@@ -434,8 +434,8 @@ class _TFCross:
 
     ``horovod.tensorflow`` has no handle to poll (``horovod.torch`` has ``poll``/``synchronize``):
     an op run eagerly blocks its thread until Horovod completes it.  So each op runs on a worker
-    thread, and the engine thread waits for it with :func:`.torch_cross.wait_horovod`: up to
-    ``BLINK_TIMEOUT_SECONDS`` plus :func:`.torch_cross.cross_grace`, raising ``BlinkTimeoutError``
+    thread, and the engine thread waits for it with :func:`.horovod_wait.wait_horovod`: up to
+    ``BLINK_TIMEOUT_SECONDS`` plus :func:`.horovod_wait.cross_grace`, raising ``BlinkTimeoutError``
     past it, and calling ``interrupt`` (set by :func:`.context.create_context`: it raises the error
     a server-mate aborted with) between polls.  The op's input tensor is made, and its result
     copied into the engine's array, on the engine thread: the worker only reads that array (TF

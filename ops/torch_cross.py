@@ -10,38 +10,13 @@ reduces them in place.  Every wait polls with a deadline
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import BlinkTimeoutError
+from .horovod_wait import cross_grace, wait_horovod
 
-__all__ = ["TorchCross", "cross_grace", "wait_horovod"]
-
-
-def cross_grace(timeout: float) -> float:
-    """How much longer than ``BLINK_TIMEOUT_SECONDS`` a cross-server wait lasts (half of it, 2 to 30 s)."""
-    return min(max(0.5 * timeout, 2.0), 30.0)
-
-
-def wait_horovod(poll: Callable[[Any], bool], synchronize: Callable[[Any], Any], handle: Any, timeout: float,
-                 what: str, interrupt: Callable[[], None] | None = None) -> Any:
-    """Poll a stock Horovod handle until done (backing off from 20 us to 1 ms), then synchronize it.
-
-    ``interrupt()``, called between polls, raises to give up the wait (a server-mate failed: its
-    error, which it learnt from a server this rank's own exchange may never hear from)."""
-    deadline = time.monotonic() + timeout
-    delay = 2e-5
-    while not poll(handle):
-        if interrupt is not None:
-            interrupt()
-        if time.monotonic() > deadline:
-            raise BlinkTimeoutError(f"{what}: stock Horovod did not complete within {timeout:g} s "
-                                    f"(BLINK_TIMEOUT_SECONDS)")
-        time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
-    return synchronize(handle)
+__all__ = ["TorchCross"]
 
 
 class TorchCross:

@@ -45,7 +45,8 @@ from .fallback import fallback
 from .negotiation import Meta
 from .patching import bypassed, originals, replace_everywhere
 from .scaling import needs_scaling, scale_into
-from .torch_cross import TorchCross, wait_horovod
+from .horovod_wait import wait_horovod
+from .torch_cross import TorchCross
 
 __all__ = ["install", "context", "disabled_reason"]
 
