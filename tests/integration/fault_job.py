@@ -1,4 +1,7 @@
-"""One rank (or server) submits a collective that differs from the others' (a Horovod torch script).
+"""One rank (or server) submits a collective that differs from the others' (a Horovod script).
+
+PyTorch by default; ``FAULT_FRAMEWORK=tf`` runs the same faults under ``horovod.tensorflow``,
+collectives called eagerly, as a TF2 script calls them outside ``tf.function``.
 
 Run under ``horovodrun`` / ``blinkrun`` with ``BLINK_ENABLE=1`` by the cross-server fault
 tests and ``benchmarks/cross_server_faults.py``.  ``FAULT_JOB`` (JSON) says what differs:
@@ -16,8 +19,21 @@ import signal
 import sys
 import time
 
-import horovod.torch as hvd
-import torch
+TF = os.environ.get("FAULT_FRAMEWORK", "torch") == "tf"
+if TF:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+else:
+    import horovod.torch as hvd
+    import torch
+
+
+def ones(n, wide=False):
+    if TF:
+        return tf.ones([n], dtype=tf.float64 if wide else tf.float32)
+    return torch.ones(n, dtype=torch.float64 if wide else torch.float32)
+
 
 if JOB_FIELD_DEAD := json.loads(os.environ["FAULT_JOB"])["field"] == "dead":
     # horovodrun ends the job as soon as a rank dies; a host lost for good, where nobody would, is
@@ -40,8 +56,7 @@ def emit(kind, **fields):
 
 
 def collective():
-    x = torch.ones(4097 if FIELD == "shape" and ODD else 4096,
-                   dtype=torch.float64 if FIELD == "dtype" and ODD else torch.float32)
+    x = ones(4097 if FIELD == "shape" and ODD else 4096, wide=FIELD == "dtype" and ODD)
     if FIELD == "root":
         return hvd.broadcast(x, root_rank=1 if ODD else 0, name=NAME)
     if FIELD == "collective" and ODD:
@@ -55,7 +70,7 @@ def collective():
     return hvd.allreduce(x, op=hvd.Sum, name=NAME)
 
 
-hvd.allreduce(torch.ones(16), name="warm-up")
+hvd.allreduce(ones(16), name="warm-up")
 start = time.time()
 if FIELD == "stall" and ODD:
     time.sleep(JOB.get("sleep", 60))  # a rank stuck in its own code: it submits nothing meanwhile

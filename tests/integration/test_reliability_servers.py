@@ -10,8 +10,8 @@ field, both values and the global ranks that sent each ("allreduce
 and no rank may die of a secondary error (Horovod shut down under it) first.
 The job must end within 30 s of the fault.
 
-The same faults under ``horovod.tensorflow`` (``fault_job_tf.py``, collectives called
-eagerly) must end the same way: the TensorFlow adapter's cross-server stage waits for
+The same faults under ``horovod.tensorflow`` (``fault_job.py`` with ``FAULT_FRAMEWORK=tf``,
+collectives called eagerly) must end the same way: the TensorFlow adapter's cross-server stage waits for
 Horovod's TF ops with the same deadline and the same check of the server-mates as the
 torch one (:data:`TF_CI_CASES`; CI only: the full matrix, and docs/reliability.md, are torch's).
 
@@ -37,7 +37,6 @@ pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).resolve().parent / "fault_job.py"
-JOBS = {"torch": JOB, "tf": Path(__file__).resolve().parent / "fault_job_tf.py"}
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 N = 4
 TIMEOUT_S = 5.0   # BLINK_TIMEOUT_SECONDS of the jobs: a name mismatch and a stall end by it
@@ -170,11 +169,12 @@ def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list
         BLINK_ENABLE="1", BLINK_TIMEOUT_SECONDS=f"{TIMEOUT_S:g}", BLINK_STALL_CHECK_SECONDS="2",
         BLINK_PLAN_CACHE=str(tmp_path / "plans"),
         FAULT_JOB=json.dumps({"field": field, "odd": odd, "sleep": 60, "events": str(tmp_path)}),
+        FAULT_FRAMEWORK=framework,
     )
     if local_size is not None:
         env["BLINK_LOCAL_SIZE"] = local_size
     try:
-        proc = subprocess.run([str(HOROVODRUN), "-np", str(N), *hosts, sys.executable, str(JOBS[framework])],
+        proc = subprocess.run([str(HOROVODRUN), "-np", str(N), *hosts, sys.executable, str(JOB)],
                               capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path, check=False)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the job did not end within 200 s: {(exc.stdout or '')[-3000:]}")
