@@ -113,22 +113,34 @@ lingers a second after printing its error before it exits: mpirun ends the whole
 first rank's non-zero exit, and would otherwise cut short a rank that raised the same error a
 few milliseconds later.
 """,
+    "a rank dies, several servers": """\
+Under Gloo, a dead rank's connections close and Horovod reacts in one of two ways, depending on
+where its background thread is: it shuts Horovod down (every later Horovod call raises "Horovod has
+been shut down"), or the exception escapes its thread and aborts the process ("terminate called
+after throwing an instance of 'gloo::IoException'"). In the first case the survivor's Blink wait on
+Horovod asks every peer's status port and raises a line naming the ranks that have exited; in the
+second, Blink's `std::terminate` handler (`blink_horovod/runtime/_last_words.cc`) does the same
+before the process aborts, as its last line on stderr. Gloo notices a death only on the connections
+the current collective uses, so survivors may go down one after another as each exits: a later one
+names the dead rank and the survivors that exited before it. Under MPI, mpirun kills the whole job
+at the death ("mpirun noticed that process rank 1 ... exited on signal 9"): nothing of the
+survivors runs after it. Ranks that Blink's runtime starts itself name the dead rank (above).
+""",
     "a rank stalls, several servers": """\
 The rank that times out waiting for its stalled server-mate still takes part in the round's
 cross-server exchange, sending its error in place of its server's row; its peers on the other
 servers raise that error and post it in their own server's shared control block, where their
 server-mates (waiting on the stalled rank's cross-server peers, in stock Horovod) see it between
 polls. Cross-server waits last half the timeout longer (2 to 30 s), so that the peers are still
-there to hear it. Known limit (xfailed rows): where no rank shares a server with the stalled
-ones (one rank per server, or a whole server stalled), nobody finds the stall within a server,
-and stock Horovod does not say which member of a process set has not submitted; the ranks then
-raise, at the timeout plus that half, that the cross-server exchange did not complete, without
-naming the rank (Horovod's own stall inspector logs "Missing ranks" on rank 0 after
-`HOROVOD_STALL_CHECK_TIME_SECONDS`). A rank that dies cannot be reported this way under Horovod: with Gloo, Horovod's
-background loop in every other process gets "gloo::IoException: Connection closed by peer" within
-about 100 ms of the death and, uncaught in C++, aborts its process before any rank can raise;
-with MPI, mpirun kills the whole job ("mpirun noticed that process rank 1 ... exited on signal
-9"). Ranks that Blink's runtime starts itself name the dead rank (above).
+there to hear it. Where no rank shares a server with the stalled ones (one rank per server, or a
+whole server stalled), nobody finds the stall within a server, and stock Horovod does not say which
+member of a process set has not submitted. So every rank answers its
+engine's state on a TCP status port (`ops/peer_status.py`; the addresses are exchanged once, at
+`hvd.init`), from a thread of its own, which answers while the rank sleeps in its own code. A rank
+whose cross-server wait times out asks the members of its process set where they are and names those
+that have not reached its round ("has not submitted it (in its own code for 7.4 s, after allreduce
+'warm-up')"), those that do not answer (stopped, hung) and those whose port refuses connections
+(exited).
 """,
 }
 

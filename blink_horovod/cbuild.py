@@ -2,12 +2,14 @@
 
 Two parts of blink_horovod have a C twin of a hot loop: the simulator's event
 loop (``sim/_fluid.c``) and the CPU runtime's streaming copies
-(``runtime/_streamcopy.c``).  Each is built on first use with the system C
+(``runtime/_streamcopy.c``); and one C++ piece must be native code: the
+terminate handler that names dead ranks when Horovod aborts
+(``runtime/_last_words.cc``).  Each is built on first use with the system C
 compiler (``$CC``, else ``cc`` or ``gcc``) into the user's cache directory
 (``$XDG_CACHE_HOME/blink_horovod``, else ``~/.cache/blink_horovod``; the
 temporary directory where home is read-only), keyed by a hash of the source
 and flags, so an edited source is rebuilt and an unchanged one never is.
-``make install`` builds both ahead (``python -m blink_horovod.cbuild``).
+``make install`` builds them ahead (``python -m blink_horovod.cbuild``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ _PACKAGE = Path(__file__).parent
 SOURCES: dict[str, tuple[Path, tuple[str, ...]]] = {
     "fluid": (_PACKAGE / "sim" / "_fluid.c", ("-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")),
     "streamcopy": (_PACKAGE / "runtime" / "_streamcopy.c", ("-O2", "-fPIC", "-shared")),
+    # C++ (gcc compiles .cc as C++): must share the process's libstdc++, whose terminate handler it sets.
+    "last_words": (_PACKAGE / "runtime" / "_last_words.cc",
+                   ("-O2", "-fPIC", "-shared", "-pthread", "-Wl,--no-as-needed", "-lstdc++")),
 }
 
 

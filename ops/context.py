@@ -51,19 +51,20 @@ class BlinkContext:
     communicator: Any = None
     rendezvous: Any = None
     cross: CrossTransport | None = None
+    status: Any = None  # the StatusResponder of a job of several servers (.peer_status)
 
     def close(self) -> None:
         """Stop the engine, free shared memory, leave the rendezvous (idempotent)."""
         try:
             self.engine.close()
         finally:
-            for obj in (self.engine.devices, self.communicator, self.rendezvous):
+            for obj in (self.engine.devices, self.communicator, self.rendezvous, self.status):
                 if obj is not None:
                     try:
                         obj.close()
                     except Exception as exc:  # closing must not mask the shutdown
                         log.warning("blink: closing %s: %s", type(obj).__name__, exc)
-            self.communicator = self.rendezvous = self.engine.devices = None
+            self.communicator = self.rendezvous = self.engine.devices = self.status = None
 
 
 def configure_logging(level: str) -> None:
@@ -89,11 +90,20 @@ def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTran
     layout = layout_from_horovod(hvd.rank(), hvd.size(), hvd.local_size(), hvd.is_homogeneous(), _env())
     if layout is None:
         return None, "servers run different numbers of ranks (set BLINK_LOCAL_SIZE to override)"
-    cross = None
+    cross = status = None
+    engine_of: list[Engine] = []  # the engine, once made: what the status responder reports
     if layout.multi_server:
         cross = cross_factory(layout)
         if cross is None:
             return None, "the cross-server process sets could not be created"
+    if layout.size > 1:
+        # Here, while every rank is on the same path: the one Horovod exchange of status addresses.
+        status, addresses = _status_addresses(hvd, engine_of)
+        from ..runtime.last_words import install as install_last_words
+
+        install_last_words(layout.rank, addresses)
+        if cross is not None and hasattr(cross, "explain"):
+            cross.explain = _explainer(layout.rank, engine_of, addresses)
     comm = rdv = None
     if layout.local_size > 1:
         from ..runtime.communicator import Communicator  # lazy: importing ops stays cheap
@@ -102,9 +112,13 @@ def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTran
         try:
             rdv = from_horovod(hvd, cfg)
         except BlinkError as exc:
+            if status is not None:
+                status.close()
             return None, str(exc)
         if (rdv.local_rank, rdv.local_size) != (layout.local_rank, layout.local_size):
             rdv.close()
+            if status is not None:
+                status.close()
             return None, (f"Horovod's numbering is not server by server (rank {layout.rank}: local rank "
                           f"{rdv.local_rank} of {rdv.local_size} on its host, expected {layout.local_rank})")
         comm = Communicator(layout.local_rank, layout.local_size, None, rdv, cfg)
@@ -120,10 +134,11 @@ def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTran
     engine = Engine(layout.rank, layout.size, layout.server, Hierarchy(layout, comm, cross), intra,
                     cross_allgather if cross is not None else None, cfg.timeout_seconds, fusion_threshold(),
                     cfg.stall_check_seconds)
+    engine_of.append(engine)
     log.info("blink: rank %d of %d, server %d of %d (%d ranks each), topology %s", layout.rank, layout.size,
              layout.server, layout.num_servers, layout.local_size,
              comm.topology.name if comm is not None else "-")
-    return BlinkContext(layout, cfg, engine, comm, rdv, cross), ""
+    return BlinkContext(layout, cfg, engine, comm, rdv, cross, status), ""
 
 
 @dataclass
@@ -192,6 +207,45 @@ def add_missing_sets(layout: Layout, sets: dict, add_process_set: Callable[[list
                 log.warning("blink: cannot add process set %s: %s", ranks, exc)
                 return False
     return True
+
+
+def _status_addresses(hvd: HorovodView, engine_of: list[Engine]
+                      ) -> tuple[Any, dict[int, tuple[list[str], int, int]]]:
+    """Start this rank's status responder and learn every rank's ``(hosts, port, pid)`` (one Horovod
+    allgather)."""
+    import os
+
+    from .peer_status import StatusResponder
+
+    responder = StatusResponder(lambda: engine_of[0].status() if engine_of else {"state": "starting", "round": 0})
+    try:
+        rows = hvd.allgather_object((*responder.address(), os.getpid()))
+    except BaseException:
+        responder.close()
+        raise
+    return responder, {r: (list(hosts), int(port), int(pid)) for r, (hosts, port, pid) in enumerate(rows)}
+
+
+def _explainer(me: int, engine_of: list[Engine], addresses: dict[int, tuple[list[str], int, int]]
+               ) -> Callable[[Sequence[int]], Callable[[str, float, BaseException | None], str | None]]:
+    """``explain(ranks)(what, waited, cause)``: the error line of a cross-server wait on ``ranks`` that
+    timed out (``cause`` None) or that stock Horovod failed, after asking those ranks where they are
+    (:func:`.peer_status.explain_timeout`, :func:`.peer_status.explain_failure`)."""
+    from .peer_status import explain_failure, explain_timeout, query_status
+
+    pids = {r: a[2] for r, a in addresses.items()}
+
+    def for_ranks(ranks: Sequence[int]) -> Callable[[str, float, BaseException | None], str | None]:
+        def explain(what: str, waited: float, cause: BaseException | None) -> str | None:
+            others = {r: addresses[r][:2] for r in ranks if r != me and r in addresses}
+            statuses = query_status(others)
+            if cause is not None:
+                return explain_failure(what, me, statuses, pids, cause)
+            my_round = int(engine_of[0].status()["round"]) if engine_of else 0
+            return explain_timeout(what, me, waited, my_round, statuses)
+        return explain
+
+    return for_ranks
 
 
 def _peer_check(transport: Any, cfg: Config) -> Callable[[], None]:

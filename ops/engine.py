@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -240,6 +241,8 @@ class Engine:
         self._next_warn = 0.0
         self.last_round_seconds = 0.0
         self.devices: DeviceStages | None = None  # the GPU stages (set by an adapter that has them)
+        # What status() reports to other servers' ranks (.peer_status): set by the engine thread only.
+        self._state, self._state_since, self._last = "idle", time.monotonic(), ""
 
     # -- submission (caller threads) -------------------------------------------------------
 
@@ -280,6 +283,23 @@ class Engine:
             self._cond.notify_all()
         return work.handle
 
+    def _set_state(self, state: str) -> None:
+        self._state, self._state_since = state, time.monotonic()
+
+    def status(self) -> dict[str, Any]:
+        """This rank's progress, as other ranks ask it over :mod:`.peer_status`: the round, the state
+        ("idle": in the caller's code, nothing queued; "negotiating"; "running"; "broken"; "closed"),
+        seconds in it, the last collective completed, and the first queued names.
+
+        Read without the engine's lock, from another thread: each field is one attribute read."""
+        state = "broken" if self._broken is not None else "closed" if self._closed else self._state
+        out: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "round": self._round, "state": state,
+                               "since": round(time.monotonic() - self._state_since, 3), "last": self._last,
+                               "queued": list(itertools.islice(list(self._queue), 4))}
+        if self._broken is not None:
+            out["error"] = str(self._broken)[:500]
+        return out
+
     def idle(self) -> bool:
         with self._cond:
             return not self._queue and not self._joined and self._join_work is None
@@ -317,6 +337,8 @@ class Engine:
                     self._joined, self._join_round = True, self._round
                 if self._joined or self._queue:
                     break
+                if self._state != "idle":
+                    self._set_state("idle")
                 self._cond.wait(0.5)
             if self._joined:
                 return Proposal(self.rank, joined=True, join_round=self._join_round)
@@ -332,12 +354,14 @@ class Engine:
             if proposal is None:
                 return
             t0 = time.perf_counter()
+            self._set_state("negotiating")
             try:
                 decision = self._negotiate(proposal)
             except BaseException as exc:  # a timeout or a dead peer: ranks may be out of step now
                 self._break(exc)
                 return
             self._round += 1
+            self._set_state("running")
             if decision.action == "stuck" and not decision.stuck:
                 self._stuck_asked = True
                 continue
@@ -618,6 +642,8 @@ class Engine:
             self._running.discard(w.name)
 
     def _complete(self, works: Sequence[Work], value: Any, nbytes: int = 0) -> None:
+        if works:
+            self._last = f"{works[-1].meta.stock_kind or works[-1].meta.kind} {works[-1].name!r}"
         for w in works:
             self._release(w)
             try:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import BlinkTimeoutError
+from ..errors import BlinkError, BlinkInternalError, BlinkTimeoutError
 
 __all__ = ["cross_grace", "wait_horovod"]
 
@@ -22,19 +22,34 @@ def cross_grace(timeout: float) -> float:
 
 
 def wait_horovod(poll: Callable[[Any], bool], synchronize: Callable[[Any], Any], handle: Any, timeout: float,
-                 what: str, interrupt: Callable[[], None] | None = None) -> Any:
+                 what: str, interrupt: Callable[[], None] | None = None,
+                 explain: Callable[[str, float, BaseException | None], str | None] | None = None) -> Any:
     """Poll a stock Horovod handle until done (backing off from 20 us to 1 ms), then synchronize it.
 
     ``interrupt()``, called between polls, raises to give up the wait (a server-mate failed: its
-    error, which it learnt from a server this rank's own exchange may never hear from)."""
+    error, which it learnt from a server this rank's own exchange may never hear from).
+    ``explain(what, timeout, None)`` gives the error line of a wait that timed out, naming the ranks
+    that hold it up; ``explain(what, timeout, exc)`` that of a Horovod failure (Horovod shut down
+    under it) where it knows the cause -- a rank that has exited -- or None
+    (:func:`.peer_status.explain_timeout`, :func:`.peer_status.explain_failure`)."""
     deadline = time.monotonic() + timeout
     delay = 2e-5
     while not poll(handle):
         if interrupt is not None:
             interrupt()
         if time.monotonic() > deadline:
+            if explain is not None:
+                raise BlinkTimeoutError(explain(what, timeout, None))
             raise BlinkTimeoutError(f"{what}: stock Horovod did not complete within {timeout:g} s "
                                     f"(BLINK_TIMEOUT_SECONDS)")
         time.sleep(delay)
         delay = min(delay * 2, 1e-3)
-    return synchronize(handle)
+    try:
+        return synchronize(handle)
+    except BlinkError:
+        raise
+    except Exception as exc:
+        line = explain(what, timeout, exc) if explain is not None else None
+        if line is None:
+            raise
+        raise BlinkInternalError(line) from exc

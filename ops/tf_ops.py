@@ -456,16 +456,19 @@ class _TFCross:
         # much longer than BLINK_TIMEOUT_SECONDS, to hear of it from that rank.
         self.timeout = timeout + cross_grace(timeout)
         self.interrupt: Callable[[], None] | None = None  # raises when a server-mate has failed
+        # explain(ranks)(what, waited, cause): the error line naming who holds a wait up (.peer_status)
+        self.explain: Callable[[Sequence[int]], Callable[[str, float, BaseException | None], str | None]] | None = None
         self._ops = {"sum": m.Sum, "min": m.Min, "max": m.Max, "product": m.Product}
         self._worker: _CrossWorker | None = None
 
-    def _run(self, fn: Callable[[], Any], what: str) -> np.ndarray:
+    def _run(self, fn: Callable[[], Any], what: str, ranks: Sequence[int]) -> np.ndarray:
         """``fn()`` (a stock op, then ``.numpy()``) on the worker thread, waited for with the deadline."""
         if self._worker is None:
             self._worker = _CrossWorker()
         job = self._worker.submit(fn)
         try:
-            return wait_horovod(_poll, _synchronize, job, self.timeout, what, self.interrupt)
+            explain = self.explain(ranks) if self.explain is not None else None
+            return wait_horovod(_poll, _synchronize, job, self.timeout, what, self.interrupt, explain)
         except BaseException:
             if not job.done.is_set():  # stranded: the next op gets a thread of its own
                 self._worker.stop()
@@ -476,21 +479,21 @@ class _TFCross:
         t = _tf().constant(arr)
         ps, red = self.sets[tuple(ranks)], self._ops[op]
         out = self._run(lambda: _o("_allreduce")(t, name=name, op=red, process_set=ps).numpy(),
-                        f"cross-server allreduce {name}")
+                        f"cross-server allreduce {name}", ranks)
         np.copyto(arr, out)
 
     def broadcast(self, arr: np.ndarray, root: int, ranks: Sequence[int], name: str) -> None:
         t = _tf().constant(arr)
         ps = self.sets[tuple(ranks)]
         out = self._run(lambda: _o("broadcast")(t, root, name=name, process_set=ps).numpy(),
-                        f"cross-server broadcast {name}")
+                        f"cross-server broadcast {name}", ranks)
         np.copyto(arr, out)
 
     def allgather_rows(self, row: np.ndarray, ranks: Sequence[int], name: str) -> np.ndarray:
         t = _tf().constant(row.reshape(1, -1))
         ps = self.sets[tuple(ranks)]
         return self._run(lambda: _o("allgather")(t, name=name, process_set=ps).numpy(),
-                         f"cross-server metadata {name}")
+                         f"cross-server metadata {name}", ranks)
 
 
 def init(*args, **kwargs):

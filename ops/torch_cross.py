@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from ..errors import BlinkInternalError
 from .horovod_wait import cross_grace, wait_horovod
 
 __all__ = ["TorchCross"]
@@ -42,14 +43,26 @@ class TorchCross:
         # there has timed out; the peers waiting for it here wait that much longer, to hear it.
         self.timeout = timeout + cross_grace(timeout)
         self.interrupt: Callable[[], None] | None = None  # raises when a server-mate has failed
+        # explain(ranks)(what, waited, cause): the error line naming who holds a wait up (.peer_status)
+        self.explain: Callable[[Sequence[int]], Callable[[str, float, BaseException | None], str | None]] | None = None
         self._ops = {"sum": stock["Sum"], "min": stock["Min"], "max": stock["Max"], "product": stock["Product"]}
         self.nccl = bool(stock["nccl_built"]()) if "nccl_built" in stock else False
 
     def _set(self, ranks: Sequence[int]) -> Any:
         return self.sets[tuple(ranks)]
 
-    def _wait(self, handle: Any, what: str) -> Any:
-        return wait_horovod(self.stock["poll"], self.stock["synchronize"], handle, self.timeout, what, self.interrupt)
+    def _run(self, submit: Callable[[], Any], what: str, ranks: Sequence[int]) -> Any:
+        """Submit a stock op (``submit()`` returns its handle) and wait for it with the deadline."""
+        explain = self.explain(ranks) if self.explain is not None else None
+        try:
+            handle = submit()
+        except Exception as exc:  # Horovod already shut down under us (Gloo lost a rank): say which
+            line = explain(what, self.timeout, exc) if explain is not None else None
+            if line is None:
+                raise
+            raise BlinkInternalError(line) from exc
+        return wait_horovod(self.stock["poll"], self.stock["synchronize"], handle, self.timeout, what,
+                            self.interrupt, explain)
 
     @staticmethod
     def _tensor(arr: np.ndarray):
@@ -91,12 +104,13 @@ class TorchCross:
             if not self._direct(arr):
                 self._staged(arr, lambda a: self.allreduce(a, op, ranks, name))
                 return
-            h = self.stock["_allreduce_async"](arr, arr, name, self._ops[op], 1.0, 1.0, self._set(ranks))
-            self._wait(h, f"cross-server allreduce {name}")
+            self._run(lambda: self.stock["_allreduce_async"](arr, arr, name, self._ops[op], 1.0, 1.0,
+                                                             self._set(ranks)),
+                      f"cross-server allreduce {name}", ranks)
             return
         t, wide = self._prepared(arr)
-        h = self.stock["_allreduce_async"](t, t, name, self._ops[op], 1.0, 1.0, self._set(ranks))
-        self._wait(h, f"cross-server allreduce {name}")
+        self._run(lambda: self.stock["_allreduce_async"](t, t, name, self._ops[op], 1.0, 1.0, self._set(ranks)),
+                  f"cross-server allreduce {name}", ranks)
         if wide is not None:
             arr[...] = wide.astype(arr.dtype)  # wraps modulo 2^bits, as the narrow sum/product would
 
@@ -105,12 +119,12 @@ class TorchCross:
             if not self._direct(arr):
                 self._staged(arr, lambda a: self.broadcast(a, root, ranks, name))
                 return
-            h = self.stock["_broadcast_async"](arr, arr, root, name, self._set(ranks))
-            self._wait(h, f"cross-server broadcast {name}")
+            self._run(lambda: self.stock["_broadcast_async"](arr, arr, root, name, self._set(ranks)),
+                      f"cross-server broadcast {name}", ranks)
             return
         t, wide = self._prepared(arr)
-        h = self.stock["_broadcast_async"](t, t, root, name, self._set(ranks))
-        self._wait(h, f"cross-server broadcast {name}")
+        self._run(lambda: self.stock["_broadcast_async"](t, t, root, name, self._set(ranks)),
+                  f"cross-server broadcast {name}", ranks)
         if wide is not None:
             arr[...] = wide.astype(arr.dtype)
 
@@ -118,8 +132,8 @@ class TorchCross:
         import torch
 
         t = torch.from_numpy(np.ascontiguousarray(row).reshape(1, -1))
-        h = self.stock["_allgather_async"](t, t.new(), name, self._set(ranks))
-        out = self._wait(h, f"cross-server metadata {name}")
+        out = self._run(lambda: self.stock["_allgather_async"](t, t.new(), name, self._set(ranks)),
+                        f"cross-server metadata {name}", ranks)
         return out.numpy()
 
 

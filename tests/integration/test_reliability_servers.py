@@ -76,13 +76,8 @@ PLACEMENTS = {
     "4x1": {"server 0 (rank 0)": [0], "server 3 (rank 3)": [3]},
 }
 
-# Known limits, shown in the report rather than hidden.
-_NO_MATE = ("nobody shares memory with the stalled ranks, and stock Horovod does not tell which member of a "
-            "process set has not submitted: the others time out in the cross-server exchange without naming them")
-KNOWN = {
-    ("stall", "4x1"): "one rank per server: " + _NO_MATE,
-    ("stall", "servers differ (ranks 2, 3)"): "a whole server stalls: " + _NO_MATE,
-}
+# Known limits, shown in the report rather than hidden: (field, layout) or (field, placement) -> why.
+KNOWN: dict[tuple[str, str], str] = {}
 
 # (field, layout, controller, placement): few enough for CI (about 15 s each on 2 cores).
 CI_CASES = [
@@ -94,6 +89,7 @@ CI_CASES = [
     ("collective", "1x4", "gloo", "rank 1"),
     ("name", "2x2", "gloo", "server 0 (rank 1)"),
     ("stall", "2x2", "gloo", "server 1 (rank 3)"),
+    ("stall", "4x1", "gloo", "server 0 (rank 0)"),
 ]
 
 
@@ -220,17 +216,55 @@ def test_every_rank_of_every_server_names_field_values_and_ranks(tmp_path: Path,
     lines = {e["message"] for e in errors.values()}
     if field == "stall":
         # Server-mates of the stalled rank each time out waiting for it (their own line, naming it);
-        # the other servers' ranks raise the line of the one that told them.
-        stalled = odd[0]
+        # the other servers' ranks raise the line of the one that told them.  Where no rank shares a
+        # server with a stalled one, the ranks waiting across servers ask their peers where they are.
         assert {e["type"] for e in errors.values()} == {"BlinkTimeoutError"}, errors
         for line in lines:
+            waited = re.search(r"waiting for rank (\d+)", line)
             arrived = re.search(r"ranks not arrived: \[([\d, ]+)\]", line)
-            assert f"waiting for rank {stalled}" in line and arrived, line
-            assert stalled in [int(r) for r in arrived.group(1).split(",")], line
+            assert waited and int(waited.group(1)) in odd and arrived, line
+            assert set(map(int, arrived.group(1).split(","))) & set(odd), line
     else:
         assert len(lines) == 1, lines  # the same error line on every rank of every server
         line = lines.pop()
         assert {e["type"] for e in errors.values()} == {"MismatchError"}, errors
         assert line.startswith(expected_message(field, odd)), (line, expected_message(field, odd))
     assert ended - fault_at < WITHIN_S, (ended - fault_at, errors)
+    assert proc.returncode != 0
+
+
+# A rank SIGKILLed instead of submitting, under Gloo.  Gloo's connections to it close; Horovod then
+# either shuts itself down (its background loop catches the error: the survivors' Blink waits on
+# Horovod raise, after asking every peer's status port, naming the ranks that have exited) or its
+# background thread aborts the process (an exception uncaught in C++): Blink's terminate handler
+# (blink_horovod/runtime/_last_words.cc) makes the survivor's last line name them.  Either way every
+# survivor names the dead rank.  Under MPI, mpirun kills the whole job at the death.
+DEAD_CASES = [("2x2", "server 1 (rank 3)"), ("4x1", "server 0 (rank 0)")]
+
+
+@needs_horovod
+@pytest.mark.parametrize("layout,place", DEAD_CASES, ids=[f"{lay}-{p.split(' (')[0].replace(' ', '')}"
+                                                          for lay, p in DEAD_CASES])
+def test_a_dead_rank_is_named_by_every_survivor(tmp_path: Path, record, layout: str, place: str) -> None:
+    odd = PLACEMENTS[layout][place]
+    proc, ended, events = run_case(tmp_path, "dead", layout, "gloo", odd)
+    survivors = [r for r in range(N) if r not in odd]
+    said = {e["rank"]: e["message"] for e in events if e["kind"] == "error"}
+    # last words, in horovodrun's prefixed output: "[1]<stderr>:[blink_horovod ERROR] rank 1: ..."
+    for m in re.finditer(r"\[blink_horovod ERROR\] rank (\d+): (.*)", proc.stdout + proc.stderr):
+        said.setdefault(int(m.group(1)), "(aborting) " + m.group(2))
+    names_it = re.compile(rf"rank {odd[0]} \(pid \d+\)")
+    named = {r: line for r, line in said.items() if r in survivors and names_it.search(line)}
+    fault_at = min((e["t"] - e["seconds"] for e in events if e["kind"] == "error"), default=None)
+    record(
+        case=f"dead, {layout} (gloo), odd: {place}",
+        fault="a rank dies, several servers",
+        injected=f"rank {odd[0]} SIGKILLs itself instead of submitting",
+        behaviour=(f"{len(named)} of {len(survivors)} survivors name it: "
+                   f"\"{min(named.values(), key=len, default='none')}\"; horovodrun exits {proc.returncode}"),
+        seconds=max((e["seconds"] for e in events if e["kind"] == "error"), default=None),
+        limits="Horovod's own (Gloo)",
+    )
+    assert sorted(named) == survivors, (said, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert fault_at is None or ended - fault_at < WITHIN_S
     assert proc.returncode != 0
