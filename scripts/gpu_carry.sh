@@ -5,6 +5,7 @@
 #   horovod-0.28.1.tar.gz                     the sdist (sha256 checked)
 #   cffi-*-cp312-*manylinux*x86_64.whl         Horovod's setup asks for cffi before it builds
 #   pycparser-*.whl                            cffi's one dependency
+#   mock-*.whl                                 what Horovod's test/utils/common.py imports (its test suite)
 #
 # Run it on a machine that reaches PyPI; copy .carry/ along with the repository.
 # Idempotent: files already present are kept. Prints the sizes at the end.
@@ -15,6 +16,7 @@
 #   CARRY_PYTHON=3.12     Python version of the GPU machine (wheels are cp<version without dot>)
 #   CARRY_CFFI=2.1.1      cffi version
 #   CARRY_PYCPARSER=3.12  pycparser version
+#   CARRY_MOCK=5.2.0      mock version
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,6 +33,7 @@ CARRY="${BLINK_CARRY:-$ROOT/.carry}"
 PYV="${CARRY_PYTHON:-3.12}"
 CFFI="${CARRY_CFFI:-2.1.1}"
 PYCPARSER="${CARRY_PYCPARSER:-3.12}"
+MOCK="${CARRY_MOCK:-5.2.0}"
 if [ -z "${PY:-}" ]; then
     if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi
 fi
@@ -67,7 +70,7 @@ fi
 
 # --- wheels for the GPU machine's interpreter (cp${PYV/./}, manylinux x86_64) -----------
 have_wheel() { compgen -G "$CARRY/$1-$2-*.whl" >/dev/null; }
-for spec in "cffi==$CFFI" "pycparser==$PYCPARSER"; do
+for spec in "cffi==$CFFI" "pycparser==$PYCPARSER" "mock==$MOCK"; do
     name="${spec%%==*}" ver="${spec#*==}"
     if have_wheel "$name" "$ver"; then
         log "$name $ver wheel present"
