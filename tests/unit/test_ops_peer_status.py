@@ -114,3 +114,28 @@ def test_an_uncaught_cpp_exception_names_the_ranks_that_exited_before_aborting()
     assert "Connection closed by peer [127.0.0.1]:4242" in ours[0], ours[0]
     # libstdc++'s own handler still speaks after ours
     assert "terminate called after throwing an instance of 'std::runtime_error'" in proc.stderr, proc.stderr
+
+
+def test_a_horovod_failure_is_explained_only_where_a_rank_has_exited() -> None:
+    from blink_horovod.errors import BlinkInternalError, BlinkTimeoutError
+    from blink_horovod.ops.horovod_wait import wait_horovod
+    from blink_horovod.ops.peer_status import explain_failure
+
+    def shut_down(_handle):
+        raise RuntimeError("Horovod has been shut down")
+
+    def explain_with(statuses):
+        return lambda what, waited, cause: (
+            explain_timeout(what, 0, waited, 1, statuses) if cause is None
+            else explain_failure(what, 0, statuses, {3: 4242}, cause))
+
+    with pytest.raises(BlinkInternalError) as got:
+        wait_horovod(lambda h: True, shut_down, None, 1.0, "cross-server metadata blink.neg.1", None,
+                     explain_with({3: "gone", 1: {"round": 1, "state": "negotiating"}}))
+    assert str(got.value) == ("cross-server metadata blink.neg.1: rank 0 lost rank 3 (pid 4242): has exited "
+                              "(status port refuses connections); stock Horovod then failed: RuntimeError: "
+                              "Horovod has been shut down")
+    with pytest.raises(RuntimeError, match="^Horovod has been shut down$"):  # everyone there: Horovod's own error
+        wait_horovod(lambda h: True, shut_down, None, 1.0, "x", None, explain_with({1: {"round": 1}}))
+    with pytest.raises(BlinkTimeoutError, match="waiting for rank 3 .*ranks not arrived: \\[3\\]"):
+        wait_horovod(lambda h: False, shut_down, None, 0.05, "x", None, explain_with({3: "silent"}))
