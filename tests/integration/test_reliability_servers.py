@@ -252,7 +252,8 @@ def test_a_dead_rank_is_named_by_every_survivor(tmp_path: Path, record, layout: 
     said = {e["rank"]: e["message"] for e in events if e["kind"] == "error"}
     # last words, in horovodrun's prefixed output: "[1]<stderr>:[blink_horovod ERROR] rank 1: ..."
     for m in re.finditer(r"\[blink_horovod ERROR\] rank (\d+): (.*)", proc.stdout + proc.stderr):
-        said.setdefault(int(m.group(1)), "(aborting) " + m.group(2))
+        # (Gloo's message names its source file by the build's absolute path: shown from the repository)
+        said.setdefault(int(m.group(1)), "(aborting) " + m.group(2).replace(f"{REPO}/", ""))
     names_it = re.compile(rf"rank {odd[0]} \(pid \d+\)")
     named = {r: line for r, line in said.items() if r in survivors and names_it.search(line)}
     fault_at = min((e["t"] - e["seconds"] for e in events if e["kind"] == "error"), default=None)
