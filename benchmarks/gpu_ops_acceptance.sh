@@ -8,6 +8,8 @@
 #            then this project (not editable: an editable install asks a registry for setuptools).  The GPU runtime's tests run meanwhile.
 #   runtime  tests/parallel/test_gpu_collectives.py -k "${RUNTIME_K:-stages}" (the hierarchical stages on CUDA)
 #   exact    tests/parallel/test_ops_torch_cuda.py: 1x2 and 2x2 layouts, exact results, fallback 0
+#   faults   tests/integration/test_reliability_servers.py -k cuda: a mismatch, a stall and a dead rank
+#            across servers with CUDA tensors, every survivor naming them
 #   train    examples/torch_train.py on CUDA, stock and Blink, -np 2 and -np 4 (two servers): weights
 #            compared; BLINK_TOPOLOGY unset, so the plan comes from the GPU probe (its log line kept)
 #   step     benchmarks/gpu_step_time.py (~100 M parameters), float32 and bfloat16, stock and Blink
@@ -21,7 +23,7 @@ OUT=${OUT:-build/gpu-ops-acceptance}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 START=$(date +%s)
-STEPS=${STEPS:-"build runtime exact train step"}
+STEPS=${STEPS:-"build runtime exact faults train step"}
 export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export BLINK_TIMEOUT_SECONDS=${BLINK_TIMEOUT_SECONDS:-60} BLINK_PLAN_CACHE=${BLINK_PLAN_CACHE:-/tmp/blink-plans}
 export HOROVOD_GLOO_TIMEOUT_SECONDS=120
@@ -60,6 +62,12 @@ if want exact; then
     timeout -k 5 400 python3 -m pytest tests/parallel/test_ops_torch_cuda.py -q -p no:cacheprovider -o addopts="" \
         --timeout=380 -rA >"$OUT/exact.log" 2>&1
     log "rc=$? exact"
+fi
+if want faults; then
+    log "start faults"
+    RELIABILITY_JSON="$OUT/faults.json" timeout -k 5 400 python3 -m pytest tests/integration/test_reliability_servers.py \
+        -q -p no:cacheprovider -o addopts="" --timeout=200 -rA -k cuda >"$OUT/faults.log" 2>&1
+    log "rc=$? faults"
 fi
 train() {  # train NAME BLINK ARGS...
     local name=$1 blink=$2

@@ -39,6 +39,16 @@ def stats(path: Path) -> str:
                      for r, s in sorted(rows)) or "no STATS lines"
 
 
+def faults(path: Path) -> list[str]:
+    """One line per fault case (tests/integration/test_reliability_servers.py -k cuda): case, outcome, behaviour."""
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    outcomes = data.get("outcomes", {})
+    return [f"{r.get('case')}: {outcomes.get(r.get('test'), r.get('outcome', '?'))}: {str(r.get('behaviour', ''))[:300]}"
+            for r in data.get("records", [])]
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     print("# CUDA tensors under horovodrun: acceptance summary\n")
@@ -46,6 +56,9 @@ def main() -> None:
     print(f"- steps: {last_line(out / 'steps.txt', 'build:')}")
     print(f"- GPU runtime tests (stages, dtypes): {last_line(out / 'runtime.log', r'passed|failed|error')}")
     print(f"- ops exact (1x2, 2x2): {last_line(out / 'exact.log', r'passed|failed|error')}")
+    print(f"- faults across servers, CUDA tensors: {last_line(out / 'faults.log', r'passed|failed|error')}")
+    for row in faults(out / "faults.json"):
+        print(f"  - {row}")
     print("\n## Training, stock vs Blink (examples/torch_train.py --device cuda, 15 steps)\n")
     for layout in ("np2", "np4"):
         print(f"- {layout}: {weights(out, layout)}")

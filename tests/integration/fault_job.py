@@ -1,7 +1,9 @@
 """One rank (or server) submits a collective that differs from the others' (a Horovod script).
 
 PyTorch by default; ``FAULT_FRAMEWORK=tf`` runs the same faults under ``horovod.tensorflow``,
-collectives called eagerly, as a TF2 script calls them outside ``tf.function``.
+collectives called eagerly, as a TF2 script calls them outside ``tf.function``.  ``FAULT_DEVICE=cuda``
+puts the PyTorch tensors on the rank's GPU (local rank modulo the GPUs there), where Blink's GPU
+runtime carries them.
 
 Run under ``horovodrun`` / ``blinkrun`` with ``BLINK_ENABLE=1`` by the cross-server fault
 tests and ``benchmarks/cross_server_faults.py``.  ``FAULT_JOB`` (JSON) says what differs:
@@ -32,7 +34,7 @@ else:
 def ones(n, wide=False):
     if TF:
         return tf.ones([n], dtype=tf.float64 if wide else tf.float32)
-    return torch.ones(n, dtype=torch.float64 if wide else torch.float32)
+    return torch.ones(n, dtype=torch.float64 if wide else torch.float32, device=DEVICE)
 
 
 if JOB_FIELD_DEAD := json.loads(os.environ["FAULT_JOB"])["field"] == "dead":
@@ -42,6 +44,10 @@ if JOB_FIELD_DEAD := json.loads(os.environ["FAULT_JOB"])["field"] == "dead":
 
 hvd.init()
 RANK = hvd.rank()
+DEVICE = "cpu"
+if not TF and os.environ.get("FAULT_DEVICE") == "cuda":
+    DEVICE = f"cuda:{hvd.local_rank() % torch.cuda.device_count()}"
+    torch.cuda.set_device(DEVICE)
 JOB = json.loads(os.environ["FAULT_JOB"])
 FIELD, ODD = JOB["field"], RANK in JOB["odd"]
 NAME = "mismatch"

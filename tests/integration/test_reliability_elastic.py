@@ -27,13 +27,14 @@ import time
 from pathlib import Path
 
 import pytest
+from support.horovod_jobs import launcher_path
 
 from conftest import rendezvous_leftovers
 
 pytestmark = pytest.mark.timeout(420)
 
 REPO = Path(__file__).resolve().parents[2]
-HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+HOROVODRUN = launcher_path() or Path(sys.executable).parent / "horovodrun"
 TOTAL, REMOVE_AT, SETTLE_S = 10, 4, 4.0
 # 128 KiB of float64 gradient: above the runtime's eager size (64 KiB), so it travels over planned trees.
 FEATURES = 16384

@@ -19,13 +19,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support.horovod_jobs import launcher_path
 
 from conftest import rendezvous_leftovers
 
 pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
-HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+HOROVODRUN = launcher_path() or Path(sys.executable).parent / "horovodrun"
 N = 3
 
 needs_horovod = pytest.mark.skipif(

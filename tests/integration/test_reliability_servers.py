@@ -32,12 +32,13 @@ import time
 from pathlib import Path
 
 import pytest
+from support.horovod_jobs import launcher_path
 
 pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).resolve().parent / "fault_job.py"
-HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+HOROVODRUN = launcher_path() or Path(sys.executable).parent / "horovodrun"
 N = 4
 TIMEOUT_S = 5.0   # BLINK_TIMEOUT_SECONDS of the jobs: a name mismatch and a stall end by it
 WITHIN_S = 30.0   # every job ends within this of the fault
@@ -102,6 +103,28 @@ TF_CI_CASES = [
 ]
 
 
+# The same faults with CUDA tensors, which Blink's GPU runtime carries (GPU machines only: the GPU
+# acceptance, benchmarks/gpu_ops_acceptance.sh, runs them; ranks share the GPU under MPS there).
+CUDA_CASES = [
+    ("shape", "2x2", "gloo", "server 1 (rank 3)"),
+    ("op", "2x2", "gloo", "servers differ (ranks 2, 3)"),
+    ("stall", "2x2", "gloo", "server 1 (rank 3)"),
+    ("stall", "4x1", "gloo", "server 0 (rank 0)"),
+]
+
+
+def _cuda_reason() -> str:
+    try:
+        from blink_horovod.runtime.gpu.device import available
+    except Exception as exc:  # noqa: BLE001 - any import problem means no GPU path here
+        return f"the GPU runtime does not import: {exc}"
+    ok, why = available()
+    return "" if ok else f"no usable CUDA: {why}"
+
+
+needs_cuda = pytest.mark.skipif(bool(_cuda_reason()), reason=_cuda_reason() or "CUDA present")
+
+
 def full_matrix() -> list[tuple[str, str, str, str]]:
     out = []
     for controller in ("gloo", "mpi"):
@@ -120,9 +143,10 @@ def case_params() -> list:
     def case_id(c):
         return "-".join(c).replace(" ", "").replace(",", "")
 
-    out = [pytest.param(*c, "torch", id=case_id(c)) for c in CASES]
+    out = [pytest.param(*c, "torch", "cpu", id=case_id(c)) for c in CASES]
     if os.environ.get("BLINK_FAULT_MATRIX") != "full":
-        out += [pytest.param(*c, "tf", id="tf-" + case_id(c)) for c in TF_CI_CASES]
+        out += [pytest.param(*c, "tf", "cpu", id="tf-" + case_id(c)) for c in TF_CI_CASES]
+    out += [pytest.param(*c, "torch", "cuda", id="cuda-" + case_id(c), marks=needs_cuda) for c in CUDA_CASES]
     return out
 
 
@@ -154,7 +178,8 @@ def events_of(text: str) -> list[dict]:
     return out
 
 
-def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list[int], framework: str = "torch"):
+def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list[int], framework: str = "torch",
+             device: str = "cpu"):
     hosts, local_size = LAYOUTS[(layout, controller)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BLINK_", "HOROVOD_"))}
     env.update(
@@ -165,7 +190,7 @@ def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list
         BLINK_ENABLE="1", BLINK_TIMEOUT_SECONDS=f"{TIMEOUT_S:g}", BLINK_STALL_CHECK_SECONDS="2",
         BLINK_PLAN_CACHE=str(tmp_path / "plans"),
         FAULT_JOB=json.dumps({"field": field, "odd": odd, "sleep": 60, "events": str(tmp_path)}),
-        FAULT_FRAMEWORK=framework,
+        FAULT_FRAMEWORK=framework, FAULT_DEVICE=device,
     )
     if local_size is not None:
         env["BLINK_LOCAL_SIZE"] = local_size
@@ -189,17 +214,18 @@ def describe(errors: dict[int, dict], expect: int) -> str:
 
 
 @needs_horovod
-@pytest.mark.parametrize("field,layout,controller,place,framework", case_params())
+@pytest.mark.parametrize("field,layout,controller,place,framework,device", case_params())
 def test_every_rank_of_every_server_names_field_values_and_ranks(tmp_path: Path, record, field: str, layout: str,
                                                                  controller: str, place: str,
-                                                                 framework: str) -> None:
+                                                                 framework: str, device: str) -> None:
     odd = PLACEMENTS[layout][place]
-    proc, ended, events = run_case(tmp_path, field, layout, controller, odd, framework)
+    proc, ended, events = run_case(tmp_path, field, layout, controller, odd, framework, device)
     survivors = [r for r in range(N) if not (field == "stall" and r in odd)]
     errors = {e["rank"]: e for e in events if e["kind"] == "error" and e["rank"] in survivors}
     fault_at = min((e["t"] - e["seconds"] for e in errors.values()), default=None)
     record(
-        case=f"{field}, {layout} ({controller}{', horovod.tensorflow' if framework == 'tf' else ''}), odd: {place}",
+        case=(f"{field}, {layout} ({controller}{', horovod.tensorflow' if framework == 'tf' else ''}"
+              f"{', CUDA tensors' if device == 'cuda' else ''}), odd: {place}"),
         fault="mismatch across servers" if field != "stall" else "a rank stalls, several servers",
         injected=(f"ranks {odd} sleep 60 s instead of submitting" if field == "stall" else
                   f"ranks {odd} submit {VALUES[field][0]}, the others {VALUES[field][1]}"),
@@ -242,12 +268,19 @@ def test_every_rank_of_every_server_names_field_values_and_ranks(tmp_path: Path,
 DEAD_CASES = [("2x2", "server 1 (rank 3)"), ("4x1", "server 0 (rank 0)")]
 
 
+def dead_params() -> list:
+    def case_id(layout, place):
+        return f"{layout}-{place.split(' (')[0].replace(' ', '')}"
+
+    return ([pytest.param(lay, p, "cpu", id=case_id(lay, p)) for lay, p in DEAD_CASES]
+            + [pytest.param(lay, p, "cuda", id="cuda-" + case_id(lay, p), marks=needs_cuda) for lay, p in DEAD_CASES])
+
+
 @needs_horovod
-@pytest.mark.parametrize("layout,place", DEAD_CASES, ids=[f"{lay}-{p.split(' (')[0].replace(' ', '')}"
-                                                          for lay, p in DEAD_CASES])
-def test_a_dead_rank_is_named_by_every_survivor(tmp_path: Path, record, layout: str, place: str) -> None:
+@pytest.mark.parametrize("layout,place,device", dead_params())
+def test_a_dead_rank_is_named_by_every_survivor(tmp_path: Path, record, layout: str, place: str, device: str) -> None:
     odd = PLACEMENTS[layout][place]
-    proc, ended, events = run_case(tmp_path, "dead", layout, "gloo", odd)
+    proc, ended, events = run_case(tmp_path, "dead", layout, "gloo", odd, device=device)
     survivors = [r for r in range(N) if r not in odd]
     said = {e["rank"]: e["message"] for e in events if e["kind"] == "error"}
     # last words, in horovodrun's prefixed output: "[1]<stderr>:[blink_horovod ERROR] rank 1: ..."
@@ -258,7 +291,7 @@ def test_a_dead_rank_is_named_by_every_survivor(tmp_path: Path, record, layout: 
     named = {r: line for r, line in said.items() if r in survivors and names_it.search(line)}
     fault_at = min((e["t"] - e["seconds"] for e in events if e["kind"] == "error"), default=None)
     record(
-        case=f"dead, {layout} (gloo), odd: {place}",
+        case=f"dead, {layout} (gloo{', CUDA tensors' if device == 'cuda' else ''}), odd: {place}",
         fault="a rank dies, several servers",
         injected=f"rank {odd[0]} SIGKILLs itself instead of submitting",
         behaviour=(f"{len(named)} of {len(survivors)} survivors name it: "

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.horovod_jobs import launcher_path
 
 from conftest import blink_shm_entries
 
@@ -35,7 +36,7 @@ from blink_horovod.runtime.transport import pid_alive
 pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
-HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+HOROVODRUN = launcher_path() or Path(sys.executable).parent / "horovodrun"
 
 
 def _dead_pid() -> int:

@@ -15,9 +15,18 @@ WORKERS = ROOT / "tests" / "parallel" / "ops_workers"
 VENV_BIN = Path(sys.executable).parent
 
 
+def launcher_path(name: str = "horovodrun") -> Path | None:
+    """The launcher beside this interpreter (the project's .venv), else the one on PATH (a system
+    install, as on the GPU machine), else None."""
+    if (VENV_BIN / name).exists():
+        return VENV_BIN / name
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
 def require_horovod() -> None:
     pytest.importorskip("horovod.torch")
-    if not (VENV_BIN / "horovodrun").exists() and shutil.which("horovodrun") is None:
+    if launcher_path() is None:
         pytest.skip("horovodrun not installed")
 
 
@@ -41,7 +50,7 @@ def job_env(extra: dict | None = None, blink: bool = True, tmp: Path | None = No
 
 def run_job(args: list[str], env: dict, timeout: int = 600, launcher: str = "horovodrun") -> subprocess.CompletedProcess:
     """``launcher args...`` (horovodrun or blinkrun from the venv) under ``timeout``; never hangs the test."""
-    exe = str(VENV_BIN / launcher) if (VENV_BIN / launcher).exists() else launcher
+    exe = str(launcher_path(launcher) or launcher)
     try:
         return subprocess.run([exe, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired as exc:
