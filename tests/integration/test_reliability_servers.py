@@ -272,15 +272,18 @@ def dead_params() -> list:
     def case_id(layout, place):
         return f"{layout}-{place.split(' (')[0].replace(' ', '')}"
 
-    return ([pytest.param(lay, p, "cpu", id=case_id(lay, p)) for lay, p in DEAD_CASES]
-            + [pytest.param(lay, p, "cuda", id="cuda-" + case_id(lay, p), marks=needs_cuda) for lay, p in DEAD_CASES])
+    return ([pytest.param(lay, p, "torch", "cpu", id=case_id(lay, p)) for lay, p in DEAD_CASES]
+            + [pytest.param("4x1", "server 0 (rank 0)", "tf", "cpu", id="tf-" + case_id("4x1", "server 0 (rank 0)"))]
+            + [pytest.param(lay, p, "torch", "cuda", id="cuda-" + case_id(lay, p), marks=needs_cuda)
+               for lay, p in DEAD_CASES])
 
 
 @needs_horovod
-@pytest.mark.parametrize("layout,place,device", dead_params())
-def test_a_dead_rank_is_named_by_every_survivor(tmp_path: Path, record, layout: str, place: str, device: str) -> None:
+@pytest.mark.parametrize("layout,place,framework,device", dead_params())
+def test_a_dead_rank_is_named_by_every_survivor(tmp_path: Path, record, layout: str, place: str, framework: str,
+                                                device: str) -> None:
     odd = PLACEMENTS[layout][place]
-    proc, ended, events = run_case(tmp_path, "dead", layout, "gloo", odd, device=device)
+    proc, ended, events = run_case(tmp_path, "dead", layout, "gloo", odd, framework, device)
     survivors = [r for r in range(N) if r not in odd]
     said = {e["rank"]: e["message"] for e in events if e["kind"] == "error"}
     # last words, in horovodrun's prefixed output: "[1]<stderr>:[blink_horovod ERROR] rank 1: ..."
@@ -291,7 +294,8 @@ def test_a_dead_rank_is_named_by_every_survivor(tmp_path: Path, record, layout: 
     named = {r: line for r, line in said.items() if r in survivors and names_it.search(line)}
     fault_at = min((e["t"] - e["seconds"] for e in events if e["kind"] == "error"), default=None)
     record(
-        case=f"dead, {layout} (gloo{', CUDA tensors' if device == 'cuda' else ''}), odd: {place}",
+        case=(f"dead, {layout} (gloo{', horovod.tensorflow' if framework == 'tf' else ''}"
+              f"{', CUDA tensors' if device == 'cuda' else ''}), odd: {place}"),
         fault="a rank dies, several servers",
         injected=f"rank {odd[0]} SIGKILLs itself instead of submitting",
         behaviour=(f"{len(named)} of {len(survivors)} survivors name it: "
