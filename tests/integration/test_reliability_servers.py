@@ -13,7 +13,10 @@ The job must end within 30 s of the fault.
 The same faults under ``horovod.tensorflow`` (``fault_job.py`` with ``FAULT_FRAMEWORK=tf``,
 collectives called eagerly) must end the same way: the TensorFlow adapter's cross-server stage waits for
 Horovod's TF ops with the same deadline and the same check of the server-mates as the
-torch one (:data:`TF_CI_CASES`; CI only: the full matrix, and docs/reliability.md, are torch's).
+torch one (:data:`TF_CI_CASES`: run by CI and ``make reliability``, so docs/reliability.md has their
+rows; the whole matrix is torch's).  With CUDA tensors (``FAULT_DEVICE=cuda``, :data:`CUDA_CASES`)
+they run on GPU machines only, in the GPU acceptance.  A rank that dies (:func:`test_a_dead_rank_is_named_by_every_survivor`)
+must be named by every survivor, before or as Horovod takes it down.
 
 Layouts: 1x4 (one server of four ranks), 2x2 (``-H localhost:2,127.0.0.1:2``
 under Gloo, ``BLINK_LOCAL_SIZE=2`` under MPI) and 4x1 (``BLINK_LOCAL_SIZE=1``).
