@@ -44,7 +44,7 @@ def local_hosts() -> list[str]:
     """Names and addresses other hosts may reach this process on, most likely first.
 
     The address of the interface that routes to Horovod's Gloo rendezvous server (which every
-    rank reaches), then the host names Horovod and the system give."""
+    rank reaches), then the host names Horovod and the system give (resolved by the asker)."""
     out: list[str] = []
     driver = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
     if driver:
@@ -54,7 +54,8 @@ def local_hosts() -> list[str]:
                 out.append(s.getsockname()[0])
         except OSError:
             pass
-    for name in (os.environ.get("HOROVOD_HOSTNAME"), socket.getfqdn(), socket.gethostname()):
+    # (no getfqdn: a reverse lookup can take seconds where DNS is broken, and this runs in hvd.init)
+    for name in (os.environ.get("HOROVOD_HOSTNAME"), socket.gethostname()):
         if name and name not in out:
             out.append(name)
     return out
