@@ -101,7 +101,8 @@ def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTran
         status, addresses = _status_addresses(hvd, engine_of)
         from ..runtime.last_words import install as install_last_words
 
-        install_last_words(layout.rank, addresses)
+        install_last_words(layout.rank, addresses)  # undone by BlinkContext.close (via the responder's hook)
+        status.on_close = _uninstall_last_words
         if cross is not None and hasattr(cross, "explain"):
             cross.explain = _explainer(layout.rank, engine_of, addresses)
     comm = rdv = None
@@ -207,6 +208,12 @@ def add_missing_sets(layout: Layout, sets: dict, add_process_set: Callable[[list
                 log.warning("blink: cannot add process set %s: %s", ranks, exc)
                 return False
     return True
+
+
+def _uninstall_last_words() -> None:
+    from ..runtime.last_words import uninstall
+
+    uninstall()
 
 
 def _status_addresses(hvd: HorovodView, engine_of: list[Engine]

@@ -178,6 +178,15 @@ int blink_last_words_install(int rank, int n, const int* ranks, const int* pids,
   return kept;
 }
 
+// Put back the handler that was there before (the job this one named is over); 1 if it was ours.
+int blink_last_words_uninstall(void) {
+  std::terminate_handler current = std::get_terminate();
+  if (current != last_words) return 0;
+  std::set_terminate(g_previous);
+  g_npeers = 0;
+  return 1;
+}
+
 // Run the handler as Horovod's thread would reach it (tests): throws, uncaught, on a new thread.
 void blink_last_words_selftest(const char* message);
 

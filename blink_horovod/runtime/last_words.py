@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from .. import cbuild
 
-__all__ = ["install", "ipv4_of"]
+__all__ = ["install", "uninstall", "ipv4_of"]
 
 log = logging.getLogger("blink_horovod.runtime")
 
@@ -48,6 +48,8 @@ def _library() -> ctypes.CDLL:
     lib.blink_last_words_install.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
         ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_char_p]
+    lib.blink_last_words_uninstall.restype = ctypes.c_int
+    lib.blink_last_words_uninstall.argtypes = []
     lib.blink_last_words_selftest.restype = None
     lib.blink_last_words_selftest.argtypes = [ctypes.c_char_p]
     return lib
@@ -72,3 +74,13 @@ def install(rank: int, peers: Mapping[int, tuple[Sequence[str], int, int]], cont
     addrs = (ctypes.c_char_p * n)(*[ipv4_of(hosts, cache).encode() for _, (hosts, _, _) in items])
     return int(lib.blink_last_words_install(rank, n, ranks, pids, addrs, ports, PROBE_MS, LINGER_MS,
                                             context.encode()))
+
+
+def uninstall() -> bool:
+    """Put back the terminate handler that was there before :func:`install` (at ``hvd.shutdown``: the
+    ranks it would ask about are gone by design).  True if ours was installed."""
+    try:
+        lib = _library()
+    except (OSError, AttributeError):
+        return False
+    return bool(lib.blink_last_words_uninstall())

@@ -139,3 +139,23 @@ def test_a_horovod_failure_is_explained_only_where_a_rank_has_exited() -> None:
         wait_horovod(lambda h: True, shut_down, None, 1.0, "x", None, explain_with({1: {"round": 1}}))
     with pytest.raises(BlinkTimeoutError, match="waiting for rank 3 .*ranks not arrived: \\[3\\]"):
         wait_horovod(lambda h: False, shut_down, None, 0.05, "x", None, explain_with({3: "silent"}))
+
+
+_UNINSTALLED = """
+from blink_horovod.runtime import last_words
+last_words.install(0, {1: (["127.0.0.1"], 1, 5)})
+assert last_words.uninstall() is True and last_words.uninstall() is False
+last_words._library().blink_last_words_selftest(b"after the job")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_after_uninstall_an_abort_says_nothing_of_the_job_that_ended() -> None:
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _UNINSTALLED], capture_output=True, text=True, timeout=100,
+                          env=dict(os.environ), check=False)
+    assert "blink_horovod ERROR" not in proc.stderr, proc.stderr
+    assert "terminate called after throwing an instance of 'std::runtime_error'" in proc.stderr, proc.stderr
