@@ -94,7 +94,9 @@ if want step; then
         done
     done
 fi
-if want hvdtest; then
+if want hvdtest && [ ! -f .carry/hvd-tests/parallel/test_torch.py ]; then
+    log "hvdtest skipped: no .carry/hvd-tests/parallel/test_torch.py (copy Horovod's test/parallel/test_torch.py and test/utils/common.py to .carry/hvd-tests/{parallel,utils} first)"
+elif want hvdtest; then
     # Horovod's test/utils/common.py imports mock, which the GPU machine lacks: the carried wheel
     python3 -c "import mock" 2>/dev/null || python3 -m pip install -q --no-deps --no-index .carry/mock-*.whl \
         >>"$OUT/steps.txt" 2>&1
