@@ -109,6 +109,7 @@ TF_CI_CASES = [
 # The same faults with CUDA tensors, which Blink's GPU runtime carries (GPU machines only: the GPU
 # acceptance, benchmarks/gpu_ops_acceptance.sh, runs them; ranks share the GPU under MPS there).
 CUDA_CASES = [
+    ("stall", "1x4", "gloo", "rank 1"),
     ("shape", "2x2", "gloo", "server 1 (rank 3)"),
     ("op", "2x2", "gloo", "servers differ (ranks 2, 3)"),
     ("stall", "2x2", "gloo", "server 1 (rank 3)"),
