@@ -51,7 +51,7 @@ class BlinkContext:
     communicator: Any = None
     rendezvous: Any = None
     cross: CrossTransport | None = None
-    status: Any = None  # the StatusResponder of a job of several servers (.peer_status)
+    status: Any = None  # the StatusResponder (.peer_status); with it, the terminate handler was installed
 
     def close(self) -> None:
         """Stop the engine, free shared memory, leave the rendezvous (idempotent)."""
@@ -64,6 +64,10 @@ class BlinkContext:
                         obj.close()
                     except Exception as exc:  # closing must not mask the shutdown
                         log.warning("blink: closing %s: %s", type(obj).__name__, exc)
+            if self.status is not None:  # the ranks the terminate handler would name are gone by design
+                from ..runtime.last_words import uninstall
+
+                uninstall()
             self.communicator = self.rendezvous = self.engine.devices = self.status = None
 
 
@@ -101,8 +105,7 @@ def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTran
         status, addresses = _status_addresses(hvd, engine_of)
         from ..runtime.last_words import install as install_last_words
 
-        install_last_words(layout.rank, addresses)  # undone by BlinkContext.close (via the responder's hook)
-        status.on_close = _uninstall_last_words
+        install_last_words(layout.rank, addresses)  # undone by BlinkContext.close
         if cross is not None and hasattr(cross, "explain"):
             cross.explain = _explainer(layout.rank, engine_of, addresses)
     comm = rdv = None
@@ -208,12 +211,6 @@ def add_missing_sets(layout: Layout, sets: dict, add_process_set: Callable[[list
                 log.warning("blink: cannot add process set %s: %s", ranks, exc)
                 return False
     return True
-
-
-def _uninstall_last_words() -> None:
-    from ..runtime.last_words import uninstall
-
-    uninstall()
 
 
 def _status_addresses(hvd: HorovodView, engine_of: list[Engine]

@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -242,7 +241,7 @@ class Engine:
         self.last_round_seconds = 0.0
         self.devices: DeviceStages | None = None  # the GPU stages (set by an adapter that has them)
         # What status() reports to other servers' ranks (.peer_status): set by the engine thread only.
-        self._state, self._state_since, self._last = "idle", time.monotonic(), ""
+        self._state, self._state_since, self._last = "idle", time.monotonic(), None
 
     # -- submission (caller threads) -------------------------------------------------------
 
@@ -293,8 +292,10 @@ class Engine:
 
         Read without the engine's lock, from another thread: each field is one attribute read."""
         state = "broken" if self._broken is not None else "closed" if self._closed else self._state
-        out: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "round": self._round, "state": state,
-                               "since": round(time.monotonic() - self._state_since, 3), "last": self._last,
+        last = self._last  # the last completed Work (formatted here, off the engine's path)
+        out: dict[str, Any] = {"rank": self.rank, "round": self._round, "state": state,
+                               "since": round(time.monotonic() - self._state_since, 3),
+                               "last": f"{last.meta.stock_kind or last.meta.kind} {last.name!r}" if last else "",
                                "queued": list(itertools.islice(list(self._queue), 4))}
         if self._broken is not None:
             out["error"] = str(self._broken)[:500]
@@ -643,7 +644,7 @@ class Engine:
 
     def _complete(self, works: Sequence[Work], value: Any, nbytes: int = 0) -> None:
         if works:
-            self._last = f"{works[-1].meta.stock_kind or works[-1].meta.kind} {works[-1].name!r}"
+            self._last = works[-1]
         for w in works:
             self._release(w)
             try:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import BlinkError, BlinkInternalError, BlinkTimeoutError
 
-__all__ = ["cross_grace", "wait_horovod"]
+__all__ = ["cross_grace", "wait_horovod", "explained"]
 
 
 def cross_grace(timeout: float) -> float:
@@ -46,10 +46,19 @@ def wait_horovod(poll: Callable[[Any], bool], synchronize: Callable[[Any], Any],
         delay = min(delay * 2, 1e-3)
     try:
         return synchronize(handle)
-    except BlinkError:
-        raise
     except Exception as exc:
-        line = explain(what, timeout, exc) if explain is not None else None
-        if line is None:
+        out = explained(exc, explain, what, timeout)
+        if out is exc:
             raise
-        raise BlinkInternalError(line) from exc
+        raise out from exc
+
+
+def explained(exc: Exception, explain: Callable[[str, float, BaseException | None], str | None] | None,
+              what: str, timeout: float) -> Exception:
+    """What to raise for ``exc``, which stock Horovod raised in a cross-server stage: a
+    ``BlinkInternalError`` naming the ranks that have exited where ``explain`` knows them, else
+    ``exc`` itself (Blink's own errors always)."""
+    if isinstance(exc, BlinkError) or explain is None:
+        return exc
+    line = explain(what, timeout, exc)
+    return exc if line is None else BlinkInternalError(line)

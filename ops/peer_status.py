@@ -73,7 +73,6 @@ class StatusResponder:
         self._sock.settimeout(0.5)  # so that close() ends the thread within half a second
         self.port: int = self._sock.getsockname()[1]
         self._closed = threading.Event()
-        self.on_close: Callable[[], None] | None = None  # run once by close() (the context's clean-up)
         self._thread = threading.Thread(target=self._serve, name="blink-status", daemon=True)
         self._thread.start()
 
@@ -100,9 +99,6 @@ class StatusResponder:
 
     def close(self) -> None:
         """Stop answering (idempotent)."""
-        hook, self.on_close = self.on_close, None
-        if hook is not None:
-            hook()
         self._closed.set()
         try:
             self._sock.close()

@@ -14,8 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import BlinkInternalError
-from .horovod_wait import cross_grace, wait_horovod
+from .horovod_wait import cross_grace, explained, wait_horovod
 
 __all__ = ["TorchCross"]
 
@@ -57,10 +56,10 @@ class TorchCross:
         try:
             handle = submit()
         except Exception as exc:  # Horovod already shut down under us (Gloo lost a rank): say which
-            line = explain(what, self.timeout, exc) if explain is not None else None
-            if line is None:
+            out = explained(exc, explain, what, self.timeout)
+            if out is exc:
                 raise
-            raise BlinkInternalError(line) from exc
+            raise out from exc
         return wait_horovod(self.stock["poll"], self.stock["synchronize"], handle, self.timeout, what,
                             self.interrupt, explain)
 
