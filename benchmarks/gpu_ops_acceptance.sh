@@ -17,7 +17,8 @@
 #
 #   OUT=/tmp/out STEPS="build exact" bash benchmarks/gpu_ops_acceptance.sh
 #
-# Writes $OUT/summary.md (benchmarks/gpu_ops_summary.py) and one log per step.
+# Writes $OUT/summary.md (benchmarks/gpu_ops_summary.py), one log per step, and each exact job's whole
+# output ($OUT/jobs), packed into $OUT/logs.tgz.
 set -u
 OUT=${OUT:-build/gpu-ops-acceptance}
 mkdir -p "$OUT"
@@ -59,7 +60,7 @@ if want build; then
 fi
 if want exact; then
     log "start exact"
-    timeout -k 5 400 python3 -m pytest tests/parallel/test_ops_torch_cuda.py -q -p no:cacheprovider -o addopts="" \
+    JOB_LOG_DIR="$OUT/jobs" timeout -k 5 400 python3 -m pytest tests/parallel/test_ops_torch_cuda.py -q -p no:cacheprovider -o addopts="" \
         --timeout=380 -rA >"$OUT/exact.log" 2>&1
     log "rc=$? exact"
 fi

@@ -22,13 +22,15 @@ import hashlib
 import json
 from typing import Any, Mapping, Sequence
 
-from ..errors import MismatchError
+from ..errors import BlinkInternalError, MismatchError
 
-__all__ = ["CHECKED_FIELDS", "encode", "decode", "check_agreement"]
+__all__ = ["CHECKED_FIELDS", "CLOSING", "check_agreement", "decode", "encode"]
 
 # Checked in this order; the first that differs is the one reported.
 CHECKED_FIELDS = ("collective", "name", "dtype", "shape", "op", "root", "plan")
 _NAME_LIMIT = 512
+# What a rank posts in place of metadata when it closes its communicator (peers meet it there).
+CLOSING = b"close"
 
 
 def encode(checked: Mapping[str, Any], extras: Mapping[str, Any] | None = None) -> bytes:
@@ -74,6 +76,13 @@ def check_agreement(payloads: Sequence[bytes], seq: int) -> list[dict[str, Any]]
         [4097], rank 0 sent [4096]" -- naming the lowest rank that differs from
         rank 0, and every rank's value when more than two values occur.
     """
+    closed = [r for r, p in enumerate(payloads) if p == CLOSING]
+    if closed and len(closed) < len(payloads):
+        running = [r for r in range(len(payloads)) if r not in closed]
+        raise BlinkInternalError(
+            f"collective {seq}: local rank{'s' if len(closed) > 1 else ''} {', '.join(map(str, closed))} closed "
+            f"the communicator (hvd.shutdown, or its process ending after an error of its own: see its log) "
+            f"while local rank{'s' if len(running) > 1 else ''} {', '.join(map(str, running))} started a collective")
     heads = [_checked_part(p) for p in payloads]
     if any(h != heads[0] for h in heads[1:]):
         decoded = [decode(p)[0] for p in payloads]

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import pytest
+from support.horovod_jobs import child_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 SHM_DIR = Path("/dev/shm")
@@ -364,7 +365,7 @@ class RankLauncher:
         script.write_text(WORKER_PRELUDE + "\n" + textwrap.dedent(body))
         base = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
         base.update(
-            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
+            PYTHONPATH=child_pythonpath(),
             PYTHONUNBUFFERED="1",
             RELIABILITY_SIZE=str(n),
             RELIABILITY_RDV_DIR=str(folder / "rdv"),

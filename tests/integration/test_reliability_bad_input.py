@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+from support.horovod_jobs import child_pythonpath
 
 pytestmark = pytest.mark.timeout(180)
 
-REPO = Path(__file__).resolve().parents[2]
 
 # (what, argv, extra environment, text the one line must contain)
 CASES = [
@@ -46,7 +46,7 @@ def test_bad_input_to_the_commands_is_one_line_and_exit_2(tmp_path: Path, record
     bad_link = tmp_path / "badlink.json"
     bad_link.write_text('{"gpus": [0, 1], "links": [{"src": 0, "dst": 7, "bandwidth_gbps": 25}]}')
     base = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
-    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+    base["PYTHONPATH"] = child_pythonpath()
     base["BLINK_PLAN_CACHE"] = str(tmp_path / "plans")
     seen, failures, slowest = [], [], 0.0
     for what, argv, env, needle in CASES:

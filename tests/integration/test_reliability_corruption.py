@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 import pytest
+from support.horovod_jobs import child_pythonpath
 
 pytestmark = pytest.mark.timeout(180)
 pytest.importorskip("blink_horovod.runtime.communicator", reason="the CPU runtime is not in this checkout yet")
 
-REPO = Path(__file__).resolve().parents[2]
 N = 3
 
 CHECKED_LOOP = """
@@ -124,7 +124,7 @@ def test_blink_perf_under_horovodrun_counts_wrong_elements_and_exits_nonzero(tmp
         pytest.skip("horovodrun is not installed for this interpreter (the project .venv has it)")
     out_json = tmp_path / "perf.json"
     env = dict(os.environ, BLINK_FAULT=PERF_FAULT, BLINK_TIMEOUT_SECONDS="30", BLINK_PLAN_CACHE=str(tmp_path / "plans"),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
+               PYTHONPATH=child_pythonpath(),
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     argv = [str(launcher), "-np", str(N), "-H", f"localhost:{N}", "--gloo",
             sys.executable, "-m", "blink_horovod", "perf", "--collective", "allreduce", *PERF_ARGS, "--impl", "blink",

@@ -22,7 +22,6 @@ import signal
 import time
 
 import pytest
-
 from conftest import error_of
 
 pytestmark = pytest.mark.timeout(120)

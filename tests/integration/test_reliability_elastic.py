@@ -27,9 +27,8 @@ import time
 from pathlib import Path
 
 import pytest
-from support.horovod_jobs import launcher_path
-
 from conftest import rendezvous_leftovers
+from support.horovod_jobs import child_pythonpath, launcher_path
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -106,7 +105,7 @@ def _start(tmp: Path, blink: bool) -> subprocess.Popen:
     discover.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
     env.update(
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
+        PYTHONPATH=child_pythonpath(),
         OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
         RELIABILITY_HOSTS_FILE=str(hosts), TOTAL=str(TOTAL), REMOVE_AT=str(REMOVE_AT), SETTLE=f"{SETTLE_S:g}", FEATURES=str(FEATURES),
         BLINK_PLAN_CACHE=str(tmp / "plans"),

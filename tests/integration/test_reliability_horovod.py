@@ -19,13 +19,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support.horovod_jobs import launcher_path
-
 from conftest import rendezvous_leftovers
+from support.horovod_jobs import child_pythonpath, launcher_path
 
 pytestmark = pytest.mark.timeout(240)
 
-REPO = Path(__file__).resolve().parents[2]
 HOROVODRUN = launcher_path() or Path(sys.executable).parent / "horovodrun"
 N = 3
 
@@ -39,7 +37,7 @@ def horovodrun(script: str, tmp_path: Path, env: dict[str, str], timeout: float 
     path.write_text(textwrap.dedent(script))
     full = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
     full.update(
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
+        PYTHONPATH=child_pythonpath(),
         OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
         BLINK_PLAN_CACHE=str(tmp_path / "plans"),
     )

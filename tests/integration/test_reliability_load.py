@@ -15,7 +15,6 @@ raw RSS swing by a few percent with the last message sizes, and back).
 from __future__ import annotations
 
 import pytest
-
 from conftest import error_of
 
 pytestmark = pytest.mark.timeout(240)

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.horovod_jobs import launcher_path
+from support.horovod_jobs import child_pythonpath, launcher_path
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -188,7 +188,7 @@ def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BLINK_", "HOROVOD_"))}
     env.update(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
+        PYTHONPATH=child_pythonpath(),
         OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1", HOROVOD_GLOO_TIMEOUT_SECONDS="120", TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2",
         BLINK_ENABLE="1", BLINK_TIMEOUT_SECONDS=f"{TIMEOUT_S:g}", BLINK_STALL_CHECK_SECONDS="2",

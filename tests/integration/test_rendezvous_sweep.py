@@ -26,16 +26,14 @@ import time
 from pathlib import Path
 
 import pytest
-from support.horovod_jobs import launcher_path
-
 from conftest import blink_shm_entries
+from support.horovod_jobs import child_pythonpath, launcher_path
 
 from blink_horovod.runtime import rendezvous as rdv
 from blink_horovod.runtime.transport import pid_alive
 
 pytestmark = pytest.mark.timeout(240)
 
-REPO = Path(__file__).resolve().parents[2]
 HOROVODRUN = launcher_path() or Path(sys.executable).parent / "horovodrun"
 
 
@@ -141,7 +139,7 @@ def _stale_folders() -> list[Path]:
 def test_perf_job_with_a_rank_killed_leaves_no_segment_and_its_folder_is_swept(tmp_path: Path) -> None:
     shm_before = set(blink_shm_entries())
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
-    env.update(PYTHONPATH=str(REPO), BLINK_PLAN_CACHE=str(tmp_path / "plans"), OMP_NUM_THREADS="1",
+    env.update(PYTHONPATH=child_pythonpath(), BLINK_PLAN_CACHE=str(tmp_path / "plans"), OMP_NUM_THREADS="1",
                BLINK_FAULT="kill:after=6:rank=1", BLINK_CHUNK_BYTES="64K", BLINK_TIMEOUT_SECONDS="60")
     p = subprocess.run([str(HOROVODRUN), "-np", "3", "-H", "localhost:3", "--gloo", sys.executable, "-m",
                         "blink_horovod", "perf", "-b", "1M", "-e", "1M", "-n", "3", "-w", "1"],

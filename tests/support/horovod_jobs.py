@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,18 @@ def launcher_path(name: str = "horovodrun") -> Path | None:
         return VENV_BIN / name
     found = shutil.which(name)
     return Path(found) if found else None
+
+
+def child_pythonpath() -> str:
+    """PYTHONPATH for the ranks of a job: this process's, less the repository root.
+
+    The ranks import the installed package, editable or not.  The root put first would shadow a
+    non-editable install (the GPU machine's) with the source tree, where ``blink_horovod.ops`` and
+    ``blink_horovod.launcher`` do not exist: setup.py maps ``ops/`` and ``launcher/`` into the
+    package only when it installs it."""
+    keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and Path(p).resolve() != ROOT]
+    return os.pathsep.join(keep)
 
 
 def require_horovod() -> None:
@@ -52,12 +65,26 @@ def run_job(args: list[str], env: dict, timeout: int = 600, launcher: str = "hor
     """``launcher args...`` (horovodrun or blinkrun from the venv) under ``timeout``; never hangs the test."""
     exe = str(launcher_path(launcher) or launcher)
     try:
-        return subprocess.run([exe, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        p = subprocess.run([exe, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        keep = os.environ.get("JOB_LOG_DIR")  # every job's whole output, where a run wants it kept
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.environ.get("PYTEST_CURRENT_TEST", "job").split(" ")[0])
+            (Path(keep) / f"{name[-120:]}.log").write_text(f"$ {launcher} {' '.join(args)}\n{p.stdout}\n{p.stderr}")
+        return p
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         pytest.fail(f"{launcher} {' '.join(args)} did not finish within {timeout} s:\n{out[-4000:]}")
 
 
 def tail(p: subprocess.CompletedProcess, n: int = 60) -> str:
+    """The last ``n`` lines of a job's output, after the first error line of each rank (the cause, where
+    the tail shows only what followed it)."""
     lines = (p.stdout + p.stderr).splitlines()
-    return "\n".join(ln for ln in lines[-n:] if "oneDNN" not in ln and "cuda" not in ln)
+    first: dict[str, str] = {}
+    for ln in lines:
+        m = re.match(r"\[(\d+)\]<std(?:out|err)>:\s*([A-Za-z_.]*(?:Error|Exception)\b.*)", ln)
+        if m and m.group(1) not in first:
+            first[m.group(1)] = ln
+    head = [f"first error of rank {r}: {ln}" for r, ln in sorted(first.items(), key=lambda kv: int(kv[0]))]
+    return "\n".join(head + [ln for ln in lines[-n:] if "oneDNN" not in ln and "cuda" not in ln])

@@ -290,3 +290,12 @@ def test_eager_path_mismatch_and_missing_rank() -> None:
     errors = rank_errors(3, body2, env=FAST, eager=True)
     assert errors[1] is None
     assert all(isinstance(e, (BlinkTimeoutError, BlinkInternalError)) and "rank 1" in str(e) for e in (errors[0], errors[2]))
+
+
+def test_a_peer_closing_during_a_collective_is_named_not_decoded() -> None:
+    """A GPU communicator's rank posts CLOSING where metadata goes when it closes; a peer that started
+    a collective then reads it in its slot and says so, instead of failing to parse it."""
+    meta = metadata.encode({"collective": "allreduce", "name": "g", "dtype": "float32", "shape": [4]}, {"g": 1})
+    with pytest.raises(BlinkInternalError, match=r"collective 7: local rank 1 closed the communicator .* "
+                                                 r"while local ranks 0, 2 started a collective"):
+        metadata.check_agreement([meta, metadata.CLOSING, meta], 7)

@@ -422,7 +422,7 @@ class TreeExecutor:
                     self.synchronize(min(self.timeout, 60.0))
                     ctx = WaitContext.start("close", min(self.timeout, 60.0), self.stall)
                     self.seq += 1
-                    self.t.exchange_meta(self.seq, b"close", ctx)
+                    self.t.exchange_meta(self.seq, metadata.CLOSING, ctx)
                 else:
                     self._ctl_view[0] = 1
                     idle = self._quiet_drain(5.0)
