@@ -52,6 +52,7 @@ class BlinkContext:
     rendezvous: Any = None
     cross: CrossTransport | None = None
     status: Any = None  # the StatusResponder (.peer_status); with it, the terminate handler was installed
+    machine_ranks: int = 1  # ranks of the job on this machine (servers of one job may share one)
 
     def close(self) -> None:
         """Stop the engine, free shared memory, leave the rendezvous (idempotent)."""
@@ -95,6 +96,7 @@ def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTran
     if layout is None:
         return None, "servers run different numbers of ranks (set BLINK_LOCAL_SIZE to override)"
     cross = status = None
+    machine_ranks = 1
     engine_of: list[Engine] = []  # the engine, once made: what the status responder reports
     if layout.multi_server:
         cross = cross_factory(layout)
@@ -102,7 +104,8 @@ def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTran
             return None, "the cross-server process sets could not be created"
     if layout.size > 1:
         # Here, while every rank is on the same path: the one Horovod exchange of status addresses.
-        status, addresses = _status_addresses(hvd, engine_of)
+        status, addresses, machines = _status_addresses(hvd, engine_of)
+        machine_ranks = sum(1 for m in machines.values() if m == machines[layout.rank])
         from ..runtime.last_words import install as install_last_words
 
         install_last_words(layout.rank, addresses)  # undone by BlinkContext.close
@@ -142,7 +145,7 @@ def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTran
     log.info("blink: rank %d of %d, server %d of %d (%d ranks each), topology %s", layout.rank, layout.size,
              layout.server, layout.num_servers, layout.local_size,
              comm.topology.name if comm is not None else "-")
-    return BlinkContext(layout, cfg, engine, comm, rdv, cross, status), ""
+    return BlinkContext(layout, cfg, engine, comm, rdv, cross, status, machine_ranks), ""
 
 
 @dataclass
@@ -214,20 +217,21 @@ def add_missing_sets(layout: Layout, sets: dict, add_process_set: Callable[[list
 
 
 def _status_addresses(hvd: HorovodView, engine_of: list[Engine]
-                      ) -> tuple[Any, dict[int, tuple[list[str], int, int]]]:
-    """Start this rank's status responder and learn every rank's ``(hosts, port, pid)`` (one Horovod
-    allgather)."""
+                      ) -> tuple[Any, dict[int, tuple[list[str], int, int]], dict[int, str]]:
+    """Start this rank's status responder and learn every rank's ``(hosts, port, pid)`` and machine
+    (:func:`.peer_status.machine_id`), in one Horovod allgather."""
     import os
 
-    from .peer_status import StatusResponder
+    from .peer_status import StatusResponder, machine_id
 
     responder = StatusResponder(lambda: engine_of[0].status() if engine_of else {"state": "starting", "round": 0})
     try:
-        rows = hvd.allgather_object((*responder.address(), os.getpid()))
+        rows = hvd.allgather_object((*responder.address(), os.getpid(), machine_id()))
     except BaseException:
         responder.close()
         raise
-    return responder, {r: (list(hosts), int(port), int(pid)) for r, (hosts, port, pid) in enumerate(rows)}
+    return (responder, {r: (list(row[0]), int(row[1]), int(row[2])) for r, row in enumerate(rows)},
+            {r: str(row[3]) for r, row in enumerate(rows)})
 
 
 def _explainer(me: int, engine_of: list[Engine], addresses: dict[int, tuple[list[str], int, int]]

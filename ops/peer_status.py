@@ -32,12 +32,22 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["StatusResponder", "local_hosts", "query_status", "explain_timeout", "explain_failure"]
+__all__ = ["StatusResponder", "explain_failure", "explain_timeout", "local_hosts", "machine_id", "query_status"]
 
 log = logging.getLogger("blink_horovod.ops")
 
 _REQUEST = b"blink-status\n"
 _MAX_REPLY = 1 << 16
+
+
+def machine_id() -> str:
+    """What tells this machine from the job's others: the kernel's boot id (processes of one machine,
+    containers too, see the same GPUs), else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:  # pragma: no cover - not Linux
+        return socket.gethostname()
 
 
 def local_hosts() -> list[str]:

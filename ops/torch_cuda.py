@@ -46,7 +46,7 @@ from .layout import Layout
 from .quiet import Quiet
 from .scaling import needs_scaling
 
-__all__ = ["TorchCudaStages", "gpu_reason", "prepare", "scale_tensor"]
+__all__ = ["TorchCudaStages", "gpu_reason", "gpu_sharers", "prepare", "scale_tensor"]
 
 log = logging.getLogger("blink_horovod.ops")
 
@@ -59,6 +59,18 @@ def gpu_reason() -> str:
 
     ok, why = available()
     return "" if ok else f"CUDA tensors (Blink's GPU runtime is not usable here: {why})"
+
+
+def gpu_sharers(machine_ranks: int) -> int:
+    """How many of the job's ranks share each GPU of this machine, at least: its ranks over its GPUs
+    (NVML's count, which ``CUDA_VISIBLE_DEVICES`` does not narrow; 1 where NVML cannot be read).
+
+    Servers of one job on one machine (as the tests run two on the one GPU) do not see each other's
+    ranks in their server's communicator, yet their kernels share the GPU's SMs."""
+    from ..runtime.gpu.device import physical_gpu_count
+
+    gpus = physical_gpu_count()
+    return max(1, -(-machine_ranks // gpus)) if gpus else 1
 
 
 def scale_tensor(t: Any, factor: float) -> None:
@@ -134,8 +146,10 @@ class TorchCudaStages:
         The server's rendezvous (None when the server has one rank).
     """
 
-    def __init__(self, layout: Layout, cross: CrossTransport | None, config: Config, rendezvous: Any) -> None:
+    def __init__(self, layout: Layout, cross: CrossTransport | None, config: Config, rendezvous: Any,
+                 machine_ranks: int = 1) -> None:
         self.layout, self.cross, self.config, self.rendezvous = layout, cross, config, rendezvous
+        self.machine_ranks = machine_ranks
         self.device: Any = None
         self.comm: Any = None
         self.stream: Any = None
@@ -159,7 +173,8 @@ class TorchCudaStages:
             from ..runtime.communicator import Communicator
 
             comm = Communicator(self.layout.local_rank, self.layout.local_size, None,
-                                _Suffixed(self.rendezvous, "g"), self.config, device="cuda")
+                                _Suffixed(self.rendezvous, "g"), self.config, device="cuda",
+                                gpu_sharers=gpu_sharers(self.machine_ranks))
             if comm.transport is not None:
                 comm.transport.rank_offset = self.layout.server * self.layout.local_size  # errors name global ranks
             t = comm.topology

@@ -401,7 +401,7 @@ def init(*args, **kwargs):
     def make_devices(ctx):
         from .torch_cuda import TorchCudaStages
 
-        return TorchCudaStages(ctx.layout, ctx.cross, ctx.config, ctx.rendezvous)
+        return TorchCudaStages(ctx.layout, ctx.cross, ctx.config, ctx.rendezvous, ctx.machine_ranks)
 
     from horovod.torch.functions import allgather_object
 

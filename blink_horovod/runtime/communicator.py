@@ -177,6 +177,10 @@ class Communicator:
         An already built transport (tests: the loopback one).
     planner : callable, optional
         ``planner(topology, collective, root) -> Plan``; default the plan cache.
+    gpu_sharers : int
+        On CUDA: how many ranks of the whole job share this rank's GPU, where the caller knows
+        (servers of one job on one machine); the server's own ranks that share it are counted anyway.
+        Each rank's kernel takes its share of the GPU's SMs, so that every spinning block is resident.
     """
 
     def __init__(
@@ -190,6 +194,7 @@ class Communicator:
         *,
         transport: Transport | None = None,
         planner: Planner | None = None,
+        gpu_sharers: int = 1,
     ) -> None:
         self.config = config or load_config()
         if device not in ("cpu", "cuda"):
@@ -229,7 +234,8 @@ class Communicator:
 
             if self.config.fault:
                 log.warning("BLINK_FAULT=%s is ignored on CUDA tensors (CPU runtime only)", self.config.fault)
-            self._executor = TreeExecutor(transport, self.config.timeout_seconds, self.config.stall_check_seconds)
+            self._executor = TreeExecutor(transport, self.config.timeout_seconds, self.config.stall_check_seconds,
+                                          sharers=gpu_sharers)
         elif transport is not None:
             self._executor = Executor(transport, self.config.timeout_seconds, self.config.stall_check_seconds,
                                       self.config.fault, self.config.stream_copy)

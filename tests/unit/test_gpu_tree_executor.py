@@ -322,3 +322,20 @@ def test_a_peer_gone_while_the_gpu_works_is_named_by_synchronize() -> None:
         comm._executor.t.close()
 
     assert run(n, body, close) == [True, None]
+
+
+def test_ranks_of_other_servers_on_the_gpu_shrink_every_ranks_grid() -> None:
+    """Servers of one job on one machine: a rank that says 4 ranks share its GPU (``sharers``) makes
+    its whole server take a quarter of the SMs each, so that every spinning block stays resident."""
+    world = LoopbackWorld(2)
+
+    def rank(r: int):
+        ex = TreeExecutor(world.transport(r), 20.0, 10.0, cuda=FakeCuda(r), sharers=4 if r == 0 else 1)
+        try:
+            return ex.ranks_on_device, ex.blocks
+        finally:
+            ex.close()
+
+    out = run_ranks(rank, 2, timeout=60)
+    per_sm = FakeCuda(0).blocks_per_sm(None, 512)
+    assert out == [(4, 132 * per_sm // 4)] * 2

@@ -93,7 +93,7 @@ class TreeExecutor:
     """
 
     def __init__(self, transport: Transport, timeout: float, stall: float, device: int | None = None,
-                 cuda: Any = None) -> None:
+                 cuda: Any = None, sharers: int = 1) -> None:
         self.t = transport
         self.rank, self.nranks = transport.rank, transport.nranks
         if self.nranks > MAX_RANKS:
@@ -139,6 +139,7 @@ class TreeExecutor:
         self._flag_ptrs = [0] * self.nranks
         self._peers = [q for q in range(self.nranks) if q != self.rank]  # a kernel waits on every one of them
         self.blocks = 1
+        self._sharers = max(1, int(sharers))
         self._setup()
 
     # -- setup ---------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class TreeExecutor:
         fn = self._function("float32", "sum")
         per_sm = max(1, c.blocks_per_sm(fn, THREADS))
         mine = {"flags": c.ipc_handle(self._own_flags).hex(), "bus": c.pci_bus_id(), "sms": int(c.sms),
-                "per_sm": per_sm}
+                "per_sm": per_sm, "sharers": self._sharers}
         self.seq += 1
         payloads = self.t.exchange_meta(self.seq, metadata.encode({"collective": "gpu setup"}, mine), ctx)
         peers = metadata.check_agreement(payloads, self.seq)
@@ -157,7 +158,10 @@ class TreeExecutor:
         # Every rank's blocks must be resident together (they spin on each other's flags): a rank takes
         # its share of the SMs of its GPU.  All ranks launch the same grid (the items are dealt by block
         # index), so the smallest share wins.
-        self.ranks_on_device = max(sum(1 for f in peers if f["bus"] == e["bus"]) for e in peers)
+        # ``sharers``: the ranks of the whole job that share a GPU here, where the caller knows more than
+        # this server's ranks do (servers of a job on one machine, as tests run them).
+        self.ranks_on_device = max(max(sum(1 for f in peers if f["bus"] == e["bus"]) for e in peers),
+                                   max(int(e.get("sharers", 1)) for e in peers))
         self.blocks = max(1, min(MAX_BLOCKS, min(int(e["sms"]) * int(e["per_sm"]) for e in peers)
                                  // self.ranks_on_device))
         for q, e in enumerate(peers):
