@@ -143,5 +143,12 @@ _NARROW = ("uint8", "int8", "int16", "bool")
 
 
 def _widened(arr: np.ndarray) -> np.ndarray | None:
-    return arr.astype(np.int64) if arr.dtype.name in _NARROW else None
+    """The copy Horovod reduces in place of ``arr``: int64 for the narrow integers; float32 for bfloat16,
+    which Horovod 0.28.1 refuses on CPU as on CUDA (exact for broadcast, min and max; a sum or product
+    accumulated in float32, then rounded once)."""
+    if arr.dtype.name in _NARROW:
+        return arr.astype(np.int64)
+    if arr.dtype.name == "bfloat16":
+        return arr.astype(np.float32)
+    return None
 

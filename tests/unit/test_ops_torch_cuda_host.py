@@ -78,3 +78,16 @@ def test_cross_stage_through_host_memory(dtype) -> None:
     assert seen and seen[0].itemsize == t.element_size()
     cross.nccl = True
     assert cross._direct(torch.zeros(2, dtype=torch.float32)) and not cross._direct(torch.zeros(2, dtype=torch.bfloat16))
+
+
+def test_bfloat16_crosses_servers_as_float32() -> None:
+    """Horovod 0.28.1 refuses bfloat16 on CPU and CUDA: the cross-server stage reduces a float32 copy
+    and rounds once (broadcast, min and max stay exact)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from blink_horovod.ops.torch_cross import _widened
+
+    arr = np.array([1.5, -2.25, 3e38], dtype=ml_dtypes.bfloat16)
+    wide = _widened(arr)
+    assert wide is not None and wide.dtype == np.float32
+    assert (wide.astype(arr.dtype).view(np.uint16) == arr.view(np.uint16)).all()
+    assert _widened(np.zeros(3, np.float32)) is None and _widened(np.zeros(3, np.int8)).dtype == np.int64

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -119,6 +119,7 @@ class TreeExecutor:
         self._spin_s = _SPIN_S if (os.cpu_count() or 1) > self.nranks else 0.0
         self._modules: dict[str, Any] = {}
         self._tables: OrderedDict[tuple, tuple[Work, int, int]] = OrderedDict()
+        self._evicted: list[int] = []
         self._memo: tuple | None = None
         self._replays: dict[Any, _Replay] = {}
         self._decoded: tuple[list[bytes], list[dict[str, Any]]] | None = None
@@ -182,7 +183,14 @@ class TreeExecutor:
     def _module(self, dtype: str) -> Any:
         mod = self._modules.get(dtype)
         if mod is None:
-            mod = self._modules[dtype] = self.cuda.module(kernel_source(dtype))
+            mod = self.cuda.module(kernel_source(dtype))
+            # Every op's kernel fetched now: under CUDA's lazy loading a kernel is loaded when first
+            # fetched, which may wait for the device -- never while a peer's kernel spins on this rank.
+            from .kernels import KERNEL_OPS
+
+            for op in KERNEL_OPS:
+                mod.get_function(kernel_name(op))
+            self._modules[dtype] = mod
         return mod
 
     def _function(self, dtype: str, op: str) -> Any:
@@ -215,6 +223,7 @@ class TreeExecutor:
             self._check_device_error(ctx)
             t0 = time.perf_counter()
             ptr = int(arr.ptr) if arr is not None and arr.size else 0
+            fn = self._function(dtype, op or "sum") if ptr else None  # before any peer can wait on this rank
             mine = dict(extras)
             if ptr:
                 serial, offset, handle = self.registry.own(ptr)
@@ -235,17 +244,20 @@ class TreeExecutor:
                 bufs[q] = ptr if q == self.rank else self.registry.peer(q, serial, offset,
                                                                         bytes.fromhex(handle) if handle else None)
                 vec &= int(mis == 0)
+            if _new_mappings(all_extras):
+                self._mapped(ctx)
             self.epoch += 1
             a["epoch"] = self.epoch
             a["items"], a["trees"], a["nitems"] = items, trees, work.nitems
             a["phases"] = PHASES[kind]
             a["average_n"] = self.nranks if op == "average" else 0
             a["vec"] = vec
-            fn = self._function(dtype, op or "sum")
             sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
             self.cuda.launch_kernel(fn, work.blocks, THREADS, sp, self._params)
             self._pending.add(sp)
             self._launched = True
+            if self._evicted:
+                self._free_evicted()
             self.last_meta_seconds = t1 - t0
             self.last_launch_seconds = time.perf_counter() - t1
             if replay_key is not None and not extras:
@@ -262,7 +274,11 @@ class TreeExecutor:
         argp = (ctypes.c_void_p * 1)(args.ctypes.data)
         if len(self._replays) > 4096:
             self._replays.clear()
-        self._replays[key] = _Replay(label, self.cuda.buffer_id(ptr), self._memo[2], self._decoded[0], args, argp,
+        checked, mine, payload = self._memo
+        g = mine.get("g")
+        if g and g[2]:  # the handle went with the first use; a replay sends none (peers have the mapping)
+            payload = metadata.encode(checked, {**mine, "g": [g[0], g[1], None, g[3]]})
+        self._replays[key] = _Replay(label, self.cuda.buffer_id(ptr), payload, self._decoded[0], args, argp,
                                      grid, fn)
 
     def replay(self, key: Any, ptr: int, stream: int | None) -> bool:
@@ -295,6 +311,8 @@ class TreeExecutor:
                         bufs[q] = self.registry.peer(q, serial, offset, bytes.fromhex(handle) if handle else None)
                         rec.args[0]["vec"] &= int(mis == 0)
                 rec.payloads = payloads
+                if _new_mappings(all_extras):
+                    self._mapped(ctx)
             t1 = time.perf_counter()
             self.epoch += 1
             rec.args[0]["epoch"] = self.epoch
@@ -307,6 +325,17 @@ class TreeExecutor:
         except BaseException as exc:
             self.fail(exc)
             raise
+
+    def _mapped(self, ctx: WaitContext) -> None:
+        """Every rank has made this collective's new mappings and tables; only then does any launch.
+
+        Opening a peer's IPC handle and allocating device memory may wait for the device.  A rank that
+        did so after a peer had launched would wait for that peer's kernel, spinning for this rank's,
+        which is never launched: so every rank that makes one (which every rank can tell from the
+        metadata: a handle travels only with a new registration; the tables are the same everywhere)
+        meets the others here first."""
+        self.seq += 1
+        self.t.exchange_meta(self.seq, _MAPPED, ctx)
 
     def _agree(self, checked: Mapping[str, Any], extras: Mapping[str, Any], ctx: WaitContext) -> list[dict[str, Any]]:
         """Exchange and check metadata; a repeat of the previous collective (same bytes from every rank, as
@@ -341,12 +370,18 @@ class TreeExecutor:
         self._aux.synchronize()
         hit = self._tables[key] = (work, items, trees)
         if len(self._tables) > _TABLES:
-            # Freed only once this rank's launched work is done (a queued kernel may still read them).
-            self.synchronize()
+            # Freed after this collective's launch (_free_evicted): freeing may wait for the device, and
+            # before this rank's launch a peer's kernel may be spinning for it.
             _, (_, old_items, old_trees) = self._tables.popitem(last=False)
-            c.free(old_items)
-            c.free(old_trees)
+            self._evicted += [old_items, old_trees]
         return hit
+
+    def _free_evicted(self) -> None:
+        """Free evicted work tables once this rank's launched work, which may read them, is done."""
+        self.synchronize()
+        for ptr in self._evicted:
+            self.cuda.free(ptr)
+        self._evicted = []
 
     # -- waiting ----------------------------------------------------------------------------
     def _check_device_error(self, ctx: WaitContext) -> None:
@@ -443,6 +478,9 @@ class TreeExecutor:
                 for _, items, trees in self._tables.values():
                     c.free(items)
                     c.free(trees)
+                for ptr in self._evicted:
+                    c.free(ptr)
+                self._evicted = []
                 self._tables.clear()
                 c.free(self._own_flags)
                 for ev in self._events.values():
@@ -471,6 +509,15 @@ class TreeExecutor:
         return False
 
 
+
+
+_MAPPED = b"mapped"
+
+
+def _new_mappings(all_extras: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether some rank's tensor of this collective is registered for the first time (its IPC handle
+    travels with it, so every peer opens a mapping now)."""
+    return any(e.get("g") and e["g"][2] for e in all_extras)
 
 
 class _Replay:
