@@ -90,7 +90,8 @@ if want step; then
         for blink in ${STEP_IMPLS:-0 1}; do  # STEP_IMPLS=1: Blink alone (stock measured before)
             log "start step $dt blink=$blink"
             BLINK_ENABLE=$blink timeout -k 5 200 horovodrun -np 2 -H localhost:2 --gloo \
-                python3 benchmarks/gpu_step_time.py --dtype $dt >"$OUT/step_${dt}_$blink.log" 2>&1
+                python3 benchmarks/gpu_step_time.py --dtype $dt ${STEP_DUMP:+--dump-after $STEP_DUMP} \
+                >"$OUT/step_${dt}_$blink.log" 2>&1
             log "rc=$? step $dt blink=$blink"
         done
     done

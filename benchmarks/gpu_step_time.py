@@ -18,6 +18,7 @@ stock Horovod): an MLP of ``--layers`` square ``Linear`` layers of width ``--wid
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import statistics
 import time
@@ -48,6 +49,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--dump-after", type=float, default=0.0, metavar="S",
+                    help="print every thread's stack once if the training steps have not ended after S seconds "
+                         "(what each rank is doing in a stall; 0: never)")
     args = ap.parse_args()
 
     hvd.init()
@@ -92,7 +96,10 @@ def run(args: argparse.Namespace) -> None:
     def allreduce() -> None:
         hvd.grouped_allreduce_(grads, op=hvd.Average, name="grads")
 
+    if args.dump_after > 0:
+        faulthandler.dump_traceback_later(args.dump_after, repeat=False)
     step_ms = timed(step, args.steps, args.warmup)
+    faulthandler.cancel_dump_traceback_later()
     allreduce_ms = timed(allreduce, args.steps, args.warmup)
     if hvd.rank() == 0:
         from blink_horovod.ops import torch_ops
