@@ -17,8 +17,8 @@
 #
 #   OUT=/tmp/out STEPS="build exact" bash benchmarks/gpu_ops_acceptance.sh
 #
-# Writes $OUT/summary.md (benchmarks/gpu_ops_summary.py), one log per step, and each exact job's whole
-# output ($OUT/jobs), packed into $OUT/logs.tgz.
+# Writes $OUT/summary.md (benchmarks/gpu_ops_summary.py), one log per step, and each exact and fault
+# job's whole output ($OUT/jobs), packed into $OUT/logs.tgz.
 set -u
 OUT=${OUT:-build/gpu-ops-acceptance}
 mkdir -p "$OUT"
@@ -66,7 +66,7 @@ if want exact; then
 fi
 if want faults; then
     log "start faults"
-    RELIABILITY_JSON="$OUT/faults.json" timeout -k 5 400 python3 -m pytest tests/integration/test_reliability_servers.py \
+    RELIABILITY_JSON="$OUT/faults.json" JOB_LOG_DIR="$OUT/jobs" timeout -k 5 400 python3 -m pytest tests/integration/test_reliability_servers.py \
         -q -p no:cacheprovider -o addopts="" --timeout=200 -rA -k cuda >"$OUT/faults.log" 2>&1
     log "rc=$? faults"
 fi

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.horovod_jobs import child_pythonpath, launcher_path
+from support.horovod_jobs import child_pythonpath, keep_job_log, launcher_path
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -203,6 +203,7 @@ def run_case(tmp_path: Path, field: str, layout: str, controller: str, odd: list
                               capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path, check=False)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the job did not end within 200 s: {(exc.stdout or '')[-3000:]}")
+    keep_job_log([str(HOROVODRUN), "-np", str(N), *hosts, sys.executable, str(JOB)], proc)
     # Each rank's own file: mpirun's tagged output may interleave the ranks' lines mid-line.
     files = "".join(p.read_text() for p in sorted(tmp_path.glob("rank*.events")))
     return proc, time.time(), events_of(files or proc.stdout)

@@ -66,15 +66,23 @@ def run_job(args: list[str], env: dict, timeout: int = 600, launcher: str = "hor
     exe = str(launcher_path(launcher) or launcher)
     try:
         p = subprocess.run([exe, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        keep = os.environ.get("JOB_LOG_DIR")  # every job's whole output, where a run wants it kept
-        if keep:
-            Path(keep).mkdir(parents=True, exist_ok=True)
-            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.environ.get("PYTEST_CURRENT_TEST", "job").split(" ")[0])
-            (Path(keep) / f"{name[-120:]}.log").write_text(f"$ {launcher} {' '.join(args)}\n{p.stdout}\n{p.stderr}")
+        keep_job_log([launcher, *args], p)
         return p
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         pytest.fail(f"{launcher} {' '.join(args)} did not finish within {timeout} s:\n{out[-4000:]}")
+
+
+def keep_job_log(argv: list[str], p: subprocess.CompletedProcess) -> None:
+    """Write a job's whole output to ``$JOB_LOG_DIR/<current test>.log`` where a run asks for it (the
+    GPU acceptance keeps every job's output; a failing test's message shows only its tail)."""
+    keep = os.environ.get("JOB_LOG_DIR")
+    if not keep:
+        return
+    Path(keep).mkdir(parents=True, exist_ok=True)
+    test = os.environ.get("PYTEST_CURRENT_TEST", "job").split(" ")[0].split("::")[-1]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", test)
+    (Path(keep) / f"{name[-120:]}.log").write_text(f"$ {' '.join(map(str, argv))}\n{p.stdout}\n{p.stderr}")
 
 
 def tail(p: subprocess.CompletedProcess, n: int = 60) -> str:
