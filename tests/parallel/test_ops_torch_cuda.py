@@ -14,7 +14,7 @@ import re
 import sys
 
 import pytest
-from support.horovod_jobs import WORKERS, job_env, require_horovod, run_job, tail
+from support.horovod_jobs import ROOT, WORKERS, job_env, require_horovod, run_job, tail
 
 from blink_horovod.runtime.gpu.device import available
 
@@ -35,4 +35,20 @@ def test_cuda_tensors_exact_and_carried(tmp_path, hosts: list[str], servers: int
     for r, out in sorted(ranks.items()):
         assert out["wrong"] == {}, (r, out["wrong"])
         assert out["stats"]["fallback"] == 0 and out["stats"]["allreduce"] > 100, (r, out["stats"])
+    assert p.returncode == 0, tail(p)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_training_whose_gradients_overlap_the_backward_pass_does_not_stall(tmp_path, dtype: str) -> None:
+    """DistributedOptimizer on 16 M parameters (64 MB of float32 gradients), allreduced while the backward
+    pass still runs on both ranks, in buffers first seen mid-training.  A tree kernel spins on its
+    peer's flags, so a rank that waited for the device between agreeing and launching (a kernel's lazy
+    load, a peer's IPC mapping, a free) stalled here until the timeout; now the steps end."""
+    require_horovod()
+    env = job_env({"BLINK_TIMEOUT_SECONDS": "20"}, tmp=tmp_path)
+    p = run_job(["-np", "2", "-H", "localhost:2", sys.executable, str(ROOT / "benchmarks" / "gpu_step_time.py"),
+                 "--dtype", dtype, "--width", "2048", "--layers", "4", "--steps", "3", "--warmup", "1",
+                 "--dump-after", "15"], env, timeout=300)
+    step = [json.loads(s) for s in re.findall(r"STEP (\{.*\})", p.stdout)]
+    assert step and "error" not in step[0] and step[0]["blink"], tail(p)
     assert p.returncode == 0, tail(p)
