@@ -40,9 +40,18 @@ NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nc
 
 if want build; then
     log "start build"
-    ( BLINK_CARRY=.carry BLINK_HOROVOD_GPU=${HOROVOD_GPU_MODE:-cuda} PY=python3 BLINK_BUILD_JOBS=14 BLINK_HOROVOD_MPI=${BLINK_HOROVOD_MPI:-0} \
-        BLINK_BUILD_DIR=/tmp/hvd-build bash scripts/build_horovod.sh >"$OUT/build.log" 2>&1
-      echo "rc=$?" >>"$OUT/build.log"
+    # A Horovod packed by an earlier call (.carry/horovod-gpu-prebuilt.tgz, valid for this image's torch)
+    # saves the build; otherwise build, and pack the result for the next call ($OUT/horovod-gpu-prebuilt.tgz).
+    ( export BLINK_HOROVOD_GPU=${HOROVOD_GPU_MODE:-cuda} PY=python3
+      if BLINK_CARRY=.carry bash scripts/horovod_prebuilt.sh unpack .carry/horovod-gpu-prebuilt.tgz >"$OUT/build.log" 2>&1; then
+          echo "rc=0 (prebuilt)" >>"$OUT/build.log"
+      else
+          BLINK_CARRY=.carry BLINK_BUILD_JOBS=14 BLINK_HOROVOD_MPI=${BLINK_HOROVOD_MPI:-0} \
+              BLINK_BUILD_DIR=/tmp/hvd-build bash scripts/build_horovod.sh >>"$OUT/build.log" 2>&1
+          rc=$?
+          echo "rc=$rc" >>"$OUT/build.log"
+          [ $rc = 0 ] && bash scripts/horovod_prebuilt.sh pack "$OUT/horovod-gpu-prebuilt.tgz" >>"$OUT/build.log" 2>&1
+      fi
       # not editable: setup.py's develop step runs pip with build isolation, which needs a registry
       python3 -m pip install -q --no-deps --no-build-isolation . >>"$OUT/build.log" 2>&1
       echo "blink install rc=$?" >>"$OUT/build.log" ) &
@@ -113,6 +122,12 @@ elif want hvdtest; then
 fi
 python3 benchmarks/gpu_ops_summary.py "$OUT" >"$OUT/summary.md" 2>&1
 log "done"
-# At most 8 files come back from the device: the summary, the step log and one archive of the rest.
-(cd "$OUT" && tar czf /tmp/gpu-ops-logs.tgz --exclude summary.md --exclude steps.txt . \
-    && find . -type f ! -name summary.md ! -name steps.txt -delete && mv /tmp/gpu-ops-logs.tgz logs.tgz)
+# At most 8 files come back from the device: the summary, the step log, one archive of the rest and
+# the Horovod pack (copy it to .carry/ for the next call).
+(cd "$OUT" && tar czf /tmp/gpu-ops-logs.tgz --exclude summary.md --exclude steps.txt --exclude horovod-gpu-prebuilt.tgz . \
+    && find . -type f ! -name summary.md ! -name steps.txt ! -name horovod-gpu-prebuilt.tgz -delete \
+    && mv /tmp/gpu-ops-logs.tgz logs.tgz)
+# A pack over what comes back from the device (16 MB a file) would not: say so instead.
+[ -f "$OUT/horovod-gpu-prebuilt.tgz" ] && [ "$(stat -c %s "$OUT/horovod-gpu-prebuilt.tgz")" -gt 16000000 ] \
+    && { log "horovod-gpu-prebuilt.tgz is $(du -h "$OUT/horovod-gpu-prebuilt.tgz" | cut -f1): too large to come back"; \
+         rm -f "$OUT/horovod-gpu-prebuilt.tgz"; }
