@@ -327,13 +327,12 @@ class TreeExecutor:
             raise
 
     def _mapped(self, ctx: WaitContext) -> None:
-        """Every rank has made this collective's new mappings and tables; only then does any launch.
+        """Every rank has opened this collective's new mappings; only then does any launch.
 
-        Opening a peer's IPC handle and allocating device memory may wait for the device.  A rank that
-        did so after a peer had launched would wait for that peer's kernel, spinning for this rank's,
-        which is never launched: so every rank that makes one (which every rank can tell from the
-        metadata: a handle travels only with a new registration; the tables are the same everywhere)
-        meets the others here first."""
+        Opening a peer's IPC handle may wait for the device.  A rank that did so after a peer had
+        launched would wait for that peer's kernel, spinning for this rank's, which is never launched:
+        so when any rank registers a tensor (which every rank can tell from the metadata: a handle
+        travels only with a new registration) every rank meets the others here first."""
         self.seq += 1
         self.t.exchange_meta(self.seq, _MAPPED, ctx)
 
