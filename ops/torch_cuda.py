@@ -18,10 +18,11 @@ of CUDA tensors comes here (:class:`TorchCudaStages`, the engine's
    result is postscaled and copied back, and a done event is recorded.
    Why the host waits: a tree kernel spins on its peers' flags, holding SMs.
    Had a rank launched it behind its caller's unfinished work, a peer sharing
-   the GPU could spin on every SM while that work waits for one (measured: a
-   100 M parameter model's backward pass, overlapping its gradients'
-   allreduces, stalled until the timeout).  Launched once every rank's inputs
-   are ready, a kernel waits only for its peers' launches;
+   the GPU could spin on every SM while that work waits for one (a suspect in
+   a stall seen on the H200: a 100 M parameter model's backward pass,
+   overlapping its gradients' allreduces, waited until the timeout; see
+   docs/gpu-runtime.md for the others addressed).  Launched once every rank's
+   inputs are ready, a kernel waits only for its peers' launches;
 3. ``synchronize(handle)`` makes the caller's current stream wait for the
    done event (:meth:`.engine.Handle.wait`), so the caller's next kernels see
    the result.
@@ -63,13 +64,19 @@ def gpu_reason() -> str:
 
 def gpu_sharers(machine_ranks: int) -> int:
     """How many of the job's ranks share each GPU of this machine, at least: its ranks over its GPUs
-    (NVML's count, which ``CUDA_VISIBLE_DEVICES`` does not narrow; 1 where NVML cannot be read).
+    (every GPU NVML sees, ``CUDA_VISIBLE_DEVICES`` aside; 1 where NVML cannot be read).
 
     Servers of one job on one machine (as the tests run two on the one GPU) do not see each other's
     ranks in their server's communicator, yet their kernels share the GPU's SMs."""
-    from ..runtime.gpu.device import physical_gpu_count
+    if machine_ranks <= 1:
+        return 1
+    from ..errors import TopologyError
+    from ..topology.probe import local_facts
 
-    gpus = physical_gpu_count()
+    try:
+        gpus = len(local_facts(None).gpus)
+    except TopologyError:
+        return 1
     return max(1, -(-machine_ranks // gpus)) if gpus else 1
 
 

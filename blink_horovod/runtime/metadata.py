@@ -76,15 +76,17 @@ def check_agreement(payloads: Sequence[bytes], seq: int) -> list[dict[str, Any]]
         [4097], rank 0 sent [4096]" -- naming the lowest rank that differs from
         rank 0, and every rank's value when more than two values occur.
     """
-    closed = [r for r, p in enumerate(payloads) if p == CLOSING]
-    if closed and len(closed) < len(payloads):
-        running = [r for r in range(len(payloads)) if r not in closed]
-        raise BlinkInternalError(
-            f"collective {seq}: local rank{'s' if len(closed) > 1 else ''} {', '.join(map(str, closed))} closed "
-            f"the communicator (hvd.shutdown, or its process ending after an error of its own: see its log) "
-            f"while local rank{'s' if len(running) > 1 else ''} {', '.join(map(str, running))} started a collective")
     heads = [_checked_part(p) for p in payloads]
     if any(h != heads[0] for h in heads[1:]):
+        # (here, off the fast path: a peer's CLOSING differs from every collective's metadata)
+        closed = [r for r, p in enumerate(payloads) if p == CLOSING]
+        if closed:
+            running = [r for r in range(len(payloads)) if r not in closed]
+            raise BlinkInternalError(
+                f"collective {seq}: local rank{'s' if len(closed) > 1 else ''} {', '.join(map(str, closed))} "
+                f"closed the communicator (hvd.shutdown, or its process ending after an error of its own: see its "
+                f"log) while local rank{'s' if len(running) > 1 else ''} {', '.join(map(str, running))} started "
+                f"a collective")
         decoded = [decode(p)[0] for p in payloads]
         ref = decoded[0]
         for field in CHECKED_FIELDS:

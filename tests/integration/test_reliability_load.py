@@ -15,6 +15,7 @@ raw RSS swing by a few percent with the last message sizes, and back).
 from __future__ import annotations
 
 import pytest
+
 from conftest import error_of
 
 pytestmark = pytest.mark.timeout(240)

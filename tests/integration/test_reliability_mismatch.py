@@ -11,6 +11,7 @@ detection by timeout would show as a failure of the time bound).
 from __future__ import annotations
 
 import pytest
+
 from conftest import error_of
 
 pytestmark = pytest.mark.timeout(120)

@@ -22,6 +22,7 @@ import signal
 import time
 
 import pytest
+
 from conftest import SHM_DIR, blink_shm_entries, error_of
 
 pytestmark = pytest.mark.timeout(120)

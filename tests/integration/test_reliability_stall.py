@@ -20,6 +20,7 @@ import signal
 import time
 
 import pytest
+
 from conftest import error_of
 
 pytestmark = pytest.mark.timeout(120)

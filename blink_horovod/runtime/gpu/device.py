@@ -20,7 +20,7 @@ import numpy as np
 
 from ...errors import BlinkInternalError, ConfigError
 
-__all__ = ["Cuda", "available", "current_bus_id", "physical_gpu_count", "stream_pointer"]
+__all__ = ["Cuda", "available", "current_bus_id", "stream_pointer"]
 
 
 def available() -> tuple[bool, str]:
@@ -61,26 +61,6 @@ def current_bus_id() -> str:
 
     rt = cupy.cuda.runtime
     return str(rt.deviceGetPCIBusId(rt.getDevice()))
-
-
-def physical_gpu_count() -> int | None:
-    """The machine's GPUs as NVML counts them (``CUDA_VISIBLE_DEVICES`` aside); None where NVML cannot
-    be read."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no NVML: the caller falls back  # pragma: no cover
-        return None
-    try:
-        return int(pynvml.nvmlDeviceGetCount())
-    except Exception:  # noqa: BLE001  # pragma: no cover
-        return None
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001  # pragma: no cover
-            pass
 
 
 _BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID
