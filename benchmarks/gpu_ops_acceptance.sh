@@ -17,6 +17,10 @@
 #
 #   OUT=/tmp/out STEPS="build exact" bash benchmarks/gpu_ops_acceptance.sh
 #
+# Steps run in the order STEPS names them (build first: it starts in the background).  BUDGET=S: a step
+# that would start later than S - 60 s after the start is skipped and said so, so that the logs are
+# always packed before the caller's own limit.  FAULTS_K narrows the fault cases (pytest -k, default cuda).
+#
 # Writes $OUT/summary.md (benchmarks/gpu_ops_summary.py), one log per step, and each exact and fault
 # job's whole output ($OUT/jobs), packed into $OUT/logs.tgz.
 set -u
@@ -33,12 +37,22 @@ mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
 nvidia-cuda-mps-control -d && sleep 1
 trap 'echo quit | nvidia-cuda-mps-control; sleep 1' EXIT
 log() { echo "[$(($(date +%s) - START)) s] $*" | tee -a "$OUT/steps.txt"; }
-want() { [[ " $STEPS " == *" $1 "* ]]; }
+BUDGET=${BUDGET:-0}
+in_time() {  # in_time STEP: false (and logged) once the budget leaves under a minute
+    if [ "$BUDGET" -gt 0 ] && [ $(($(date +%s) - START)) -gt $((BUDGET - 60)) ]; then
+        log "$1 skipped: the budget of $BUDGET s is nearly spent"
+        return 1
+    fi
+}
+cap() {  # cap SECONDS: SECONDS, or less where the budget leaves less (a minute kept for the packing)
+    local left=$((BUDGET - 60 - ($(date +%s) - START)))
+    if [ "$BUDGET" -gt 0 ] && [ "$left" -lt "$1" ]; then echo $((left > 10 ? left : 10)); else echo "$1"; fi
+}
 # NCCL of the nvidia-nccl wheel at run time (Horovod links it where it was built with NCCL).
 NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
 [ -n "$NCCL_LIB" ] && export LD_LIBRARY_PATH="$NCCL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-if want build; then
+step_build() {
     log "start build"
     # A Horovod packed by an earlier call (.carry/horovod-gpu-prebuilt.tgz, valid for this image's torch)
     # saves the build; otherwise build, and pack the result for the next call ($OUT/horovod-gpu-prebuilt.tgz).
@@ -56,70 +70,88 @@ if want build; then
       python3 -m pip install -q --no-deps --no-build-isolation . >>"$OUT/build.log" 2>&1
       echo "blink install rc=$?" >>"$OUT/build.log" ) &
     BUILD_PID=$!
-fi
-if want runtime; then  # needs no Horovod: runs while it compiles
+}
+BUILD_PID=
+wait_build() {  # the steps that need Horovod wait for its build
+    [ -n "$BUILD_PID" ] || return 0
+    wait "$BUILD_PID"
+    BUILD_PID=
+    log "build: $(grep -E '^rc=|^blink install' "$OUT/build.log" | tr '\n' ' '); $(python3 -c 'import horovod.torch as h; print("cuda_built", h.cuda_built(), "nccl_built", h.nccl_built())' 2>&1 | tail -1)"
+}
+step_runtime() {  # needs no Horovod: runs while it compiles
     log "start runtime"
     PYTHONPATH=$PWD timeout -k 5 300 python3 -m pytest tests/parallel/test_gpu_collectives.py -q -p no:cacheprovider \
         -o addopts="" --timeout=280 -k "${RUNTIME_K:-stages}" >"$OUT/runtime.log" 2>&1
     log "rc=$? runtime"
-fi
-if want build; then
-    wait "$BUILD_PID"
-    log "build: $(grep -E '^rc=|^blink install' "$OUT/build.log" | tr '\n' ' '); $(python3 -c 'import horovod.torch as h; print("cuda_built", h.cuda_built(), "nccl_built", h.nccl_built())' 2>&1 | tail -1)"
-fi
-if want exact; then
+}
+step_exact() {
+    wait_build
     log "start exact"
-    JOB_LOG_DIR="$OUT/jobs" timeout -k 5 400 python3 -m pytest tests/parallel/test_ops_torch_cuda.py -q -p no:cacheprovider -o addopts="" \
+    JOB_LOG_DIR="$OUT/jobs" timeout -k 5 $(cap 400) python3 -m pytest tests/parallel/test_ops_torch_cuda.py -q -p no:cacheprovider -o addopts="" \
         --timeout=380 -rA >"$OUT/exact.log" 2>&1
     log "rc=$? exact"
-fi
-if want faults; then
+}
+step_faults() {
+    wait_build
     log "start faults"
-    RELIABILITY_JSON="$OUT/faults.json" JOB_LOG_DIR="$OUT/jobs" timeout -k 5 400 python3 -m pytest tests/integration/test_reliability_servers.py \
-        -q -p no:cacheprovider -o addopts="" --timeout=200 -rA -k cuda >"$OUT/faults.log" 2>&1
+    RELIABILITY_JSON="$OUT/faults.json" JOB_LOG_DIR="$OUT/jobs" timeout -k 5 $(cap 400) python3 -m pytest tests/integration/test_reliability_servers.py \
+        -q -p no:cacheprovider -o addopts="" --timeout=200 -rA -k "${FAULTS_K:-cuda}" >"$OUT/faults.log" 2>&1
     log "rc=$? faults"
-fi
+}
 train() {  # train NAME BLINK ARGS...
     local name=$1 blink=$2
     shift 2
+    in_time "train $name" || return
     log "start train $name"
-    env -u BLINK_TOPOLOGY BLINK_ENABLE=$blink BLINK_LOG_LEVEL=info timeout -k 5 180 horovodrun "$@" \
+    env -u BLINK_TOPOLOGY BLINK_ENABLE=$blink BLINK_LOG_LEVEL=info timeout -k 5 $(cap 180) horovodrun "$@" \
         python3 tests/parallel/ops_workers/with_stats.py examples/torch_train.py --device cuda --steps 15 \
         --save "$OUT/w_$name.npz" >"$OUT/train_$name.log" 2>&1
     log "rc=$? train $name"
 }
-if want train; then
+step_train() {
+    wait_build
     train np2_stock 0 -np 2 -H localhost:2 --gloo
     train np2_blink 1 -np 2 -H localhost:2 --gloo
     train np4_stock 0 -np 4 -H localhost:2,127.0.0.1:2 --gloo
     train np4_blink 1 -np 4 -H localhost:2,127.0.0.1:2 --gloo
-fi
-if want step; then
+}
+step_step() {
+    wait_build
     for dt in float32 bfloat16; do
         for blink in ${STEP_IMPLS:-0 1}; do  # STEP_IMPLS=1: Blink alone (stock measured before)
+            in_time "step $dt blink=$blink" || continue
             log "start step $dt blink=$blink"
-            BLINK_ENABLE=$blink timeout -k 5 200 horovodrun -np 2 -H localhost:2 --gloo \
+            BLINK_ENABLE=$blink timeout -k 5 $(cap 200) horovodrun -np 2 -H localhost:2 --gloo \
                 python3 benchmarks/gpu_step_time.py --dtype $dt ${STEP_DUMP:+--dump-after $STEP_DUMP} \
                 >"$OUT/step_${dt}_$blink.log" 2>&1
             log "rc=$? step $dt blink=$blink"
         done
     done
-fi
-if want hvdtest && [ ! -f .carry/hvd-tests/parallel/test_torch.py ]; then
-    log "hvdtest skipped: no .carry/hvd-tests/parallel/test_torch.py (copy Horovod's test/parallel/test_torch.py and test/utils/common.py to .carry/hvd-tests/{parallel,utils} first)"
-elif want hvdtest; then
+}
+step_hvdtest() {
+    wait_build
+    if [ ! -f .carry/hvd-tests/parallel/test_torch.py ]; then
+        log "hvdtest skipped: no .carry/hvd-tests/parallel/test_torch.py (copy Horovod's test/parallel/test_torch.py and test/utils/common.py to .carry/hvd-tests/{parallel,utils} first)"
+        return
+    fi
     # Horovod's test/utils/common.py imports mock, which the GPU machine lacks: the carried wheel
     python3 -c "import mock" 2>/dev/null || python3 -m pip install -q --no-deps --no-index .carry/mock-*.whl \
         >>"$OUT/steps.txt" 2>&1
     for blink in "" "--blink"; do
+        in_time "hvdtest $blink" || continue
         log "start hvdtest $blink"
-        timeout -k 5 ${HVDTEST_LIMIT:-240} python3 tests/parallel/ops_reference_suite.py \
+        timeout -k 5 $(cap ${HVDTEST_LIMIT:-240}) python3 tests/parallel/ops_reference_suite.py \
             --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo $blink \
             --horovodrun "$(command -v horovodrun)" --test-timeout 60 --timeout-method thread --json "$OUT/hvdtest${blink:+_blink}.json" \
             >"$OUT/hvdtest${blink:+_blink}.log" 2>&1
         log "rc=$? hvdtest $blink"
     done
-fi
+}
+for s in $STEPS; do
+    declare -F "step_$s" >/dev/null || { log "unknown step $s (build runtime exact faults train step hvdtest)"; continue; }
+    in_time "$s" && "step_$s"
+done
+wait_build
 python3 benchmarks/gpu_ops_summary.py "$OUT" >"$OUT/summary.md" 2>&1
 log "done"
 # At most 8 files come back from the device: the summary, the step log, one archive of the rest and
