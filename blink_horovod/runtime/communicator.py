@@ -392,7 +392,7 @@ class Communicator:
 
             self._executor.collective(  # type: ignore[union-attr]
                 self._label(collective, name), self._checked(collective, name, arr, dtype, op, root), extras,
-                flat, dtype, op, plan_of, kind=collective, stream=flat.stream, replay_key=key)
+                flat, dtype, op, plan_of, kind=collective, stream=flat.stream, replay_key=key, known_plan=entry)
 
     def _eager(self, collective: str, name: str | None, arr: np.ndarray, flat: np.ndarray, dtype: str,
                op: str | None, root: int | None) -> None:

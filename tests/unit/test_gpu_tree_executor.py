@@ -46,6 +46,8 @@ class FakeCuda:
         self.opened: list[bytes] = []
         self.bids: dict[int, int] = {}
         self._host: list[np.ndarray] = []
+        self.syncs: list[int] = []  # the executor's collective number at each host wait for the device
+        self.seq_now = lambda: -1
 
     def malloc(self, nbytes: int) -> int:
         ptr, self.next = self.next, self.next + max(nbytes, 4096)
@@ -66,11 +68,13 @@ class FakeCuda:
         pass
 
     def stream(self):
+        cuda = self
+
         class Stream:
             ptr = 99
 
             def synchronize(self) -> None:
-                pass
+                cuda.syncs.append(cuda.seq_now())
 
         return Stream()
 
@@ -192,6 +196,37 @@ def test_each_rank_gets_every_tensor_through_its_mapping() -> None:
             assert a["buf"][q] == want, (r, q)
         assert a["vec"] == 1  # every tensor 16-byte aligned
         assert a["nitems"] >= n  # a star per rank, each with at least one item
+
+
+def test_tables_of_a_known_plan_are_uploaded_before_the_exchange() -> None:
+    """Uploading work tables waits for the device.  With the plan already agreed on, that wait comes before
+    the collective's metadata exchange, where no peer's kernel can yet be spinning for this rank's; a plan
+    new to every rank is uploaded after the exchange, and every rank meets the others again before any
+    launch."""
+    n = 2
+
+    def body(r, comm, cuda):
+        ex = comm._executor
+        cuda.seq_now = lambda: ex.seq
+        x = tensor_at(cuda, 0, 1 << 16)
+        start = ex.seq
+        comm.allreduce(x, name="a")  # new plan: exchange (start + 1), upload, meeting (start + 2)
+        first = (start, list(cuda.syncs), ex.seq)
+        cuda.syncs.clear()
+        comm.allreduce(x, name="a")  # replayed: no upload, no meeting
+        replayed = (list(cuda.syncs), ex.seq)
+        y = tensor_at(cuda, 1 << 20, 3 << 16)  # x's allocation: no new handle
+        before = ex.seq
+        comm.allreduce(y, name="b")  # known plan, new size: upload before the exchange, no meeting
+        return first, replayed, (before, list(cuda.syncs), ex.seq), len(cuda.launches)
+
+    for first, replayed, known, launches in run(n, body):
+        start, syncs, end = first
+        assert syncs == [start + 1] and end == start + 2, first
+        assert replayed[0] == [] and replayed[1] == end + 1, replayed
+        before, syncs, after = known
+        assert syncs == [before] and after == before + 1, known
+        assert launches == 3
 
 
 def test_tables_match_the_plan_and_broadcast_runs_the_second_phase_only() -> None:

@@ -199,7 +199,8 @@ class TreeExecutor:
     # -- the collective ----------------------------------------------------------------------
     def collective(self, label: str, checked: Mapping[str, Any], extras: Mapping[str, Any], arr: Any,
                    dtype: str, op: str | None, plan_of: Callable[[list[dict[str, Any]]], Any], kind: str = "allreduce",
-                   stream: int | None = None, replay_key: Any = None) -> list[dict[str, Any]]:
+                   stream: int | None = None, replay_key: Any = None,
+                   known_plan: tuple[Any, str] | None = None) -> list[dict[str, Any]]:
         """Launch one collective on ``arr`` (a flat CUDA array with ``ptr``, ``size``, ``nbytes``), in place.
 
         ``kind``: ``allreduce`` (``op`` over every rank, the result everywhere), ``broadcast`` (the plan's
@@ -208,7 +209,9 @@ class TreeExecutor:
         broadcast phase alone: each tree's root's range everywhere).  ``plan_of(all_extras)`` gives the plan (rank 0's rides in the extras on
         its first use).  Returns every rank's extras.  ``replay_key``: a hashable name of everything that
         decides this collective's metadata (the caller's promise); the next call with it may then go
-        through :meth:`replay`.
+        through :meth:`replay`.  ``known_plan``: the ``(plan, digest)`` that ``plan_of`` will give, where the caller
+        knows it before the exchange (a plan already agreed on): the work tables are then ready before any
+        peer can launch.
         """
         if self.failed is not None:
             raise BlinkInternalError(f"{label}: this communicator is unusable after an earlier failure: {self.failed}")
@@ -224,6 +227,10 @@ class TreeExecutor:
             t0 = time.perf_counter()
             ptr = int(arr.ptr) if arr is not None and arr.size else 0
             fn = self._function(dtype, op or "sum") if ptr else None  # before any peer can wait on this rank
+            itemsize = numpy_dtype(dtype).itemsize
+            # Work tables are uploaded with a wait for the device: before the exchange, where no peer can
+            # yet spin on this rank's kernel for this collective, when the plan is known.
+            tables = self._work(*known_plan, arr.size, itemsize) if ptr and known_plan is not None else None
             mine = dict(extras)
             if ptr:
                 serial, offset, handle = self.registry.own(ptr)
@@ -233,9 +240,11 @@ class TreeExecutor:
             t1 = time.perf_counter()
             if not ptr:
                 return all_extras
-            plan, digest = plan_of(all_extras)
-            itemsize = numpy_dtype(dtype).itemsize
-            work, items, trees = self._work(plan, digest, arr.size, itemsize)
+            if tables is None:
+                # A plan seen for the first time (rank 0's, in the extras): every rank uploads its tables now
+                # and meets the others below, before any launch.
+                tables = self._work(*plan_of(all_extras), arr.size, itemsize)
+            work, items, trees = tables
             a = self._args[0]
             bufs = a["buf"]
             vec = 1
@@ -244,7 +253,7 @@ class TreeExecutor:
                 bufs[q] = ptr if q == self.rank else self.registry.peer(q, serial, offset,
                                                                         bytes.fromhex(handle) if handle else None)
                 vec &= int(mis == 0)
-            if _new_mappings(all_extras):
+            if known_plan is None or _new_mappings(all_extras):
                 self._mapped(ctx)
             self.epoch += 1
             a["epoch"] = self.epoch
@@ -327,12 +336,14 @@ class TreeExecutor:
             raise
 
     def _mapped(self, ctx: WaitContext) -> None:
-        """Every rank has opened this collective's new mappings; only then does any launch.
+        """Every rank has done this collective's work that may wait for the device; only then does any launch.
 
-        Opening a peer's IPC handle may wait for the device.  A rank that did so after a peer had
-        launched would wait for that peer's kernel, spinning for this rank's, which is never launched:
-        so when any rank registers a tensor (which every rank can tell from the metadata: a handle
-        travels only with a new registration) every rank meets the others here first."""
+        Opening a peer's IPC handle, or uploading work tables (a copy and a stream synchronize), may wait
+        for the device.  A rank that did so after a peer had launched would wait for that peer's kernel,
+        spinning for this rank's, which is never launched (seen on an H100 under MPS: a rank stuck in the
+        table upload's synchronize while its peer's kernel spun).  So when any rank registers a tensor
+        (which every rank can tell from the metadata: a handle travels only with a new registration), or
+        the plan is new to every rank (all have the same history), every rank meets the others here first."""
         self.seq += 1
         self.t.exchange_meta(self.seq, _MAPPED, ctx)
 
