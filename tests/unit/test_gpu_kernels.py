@@ -177,6 +177,24 @@ def test_float16_conversions_exhaustive(libs) -> None:
     same(out, ref, "float16")
 
 
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_half_pairs_split_and_pack_as_single_elements(libs, dt: str) -> None:
+    """The kernel's vector path converts half types two at a time (element 2k in the low half of word k):
+    the same values as one at a time, and packed back bit for bit (NaN aside)."""
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    words = np.concatenate([h, h[::-1]]).view(np.uint32).copy()  # every half value in both positions
+    acc = np.empty(2 * words.size, np.float32)
+    back = np.empty_like(words)
+    call(libs[dt], "host_pairs", words, acc, back, n=words.size)
+    halves = words.view(np.uint16)
+    want = halves.view(np.float16).astype(np.float32) if dt == "float16" else bf16_to_f32(halves)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(acc), nan)
+    np.testing.assert_array_equal(acc[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    back_h = back.view(np.uint16)
+    np.testing.assert_array_equal(back_h[~nan], halves[~nan])
+
+
 def test_kernel_source_has_every_op_and_no_include() -> None:
     for dt in DTYPES:
         src = kernel_source(dt)

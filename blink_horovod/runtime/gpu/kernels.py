@@ -122,6 +122,44 @@ BLINK_HD unsigned short blink_f32_to_f16(float f) {
 """
 
 
+# Half types convert two elements at a time where the kernel moves 16-byte vectors: one packing
+# conversion (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, sm_80 and later) rounds two float32 sums, where
+# two scalar conversions and the packing of their halves cost four instructions; the scalar
+# conversions are the narrow ones on the SM, and bound a half-type reduction before memory does.
+# Same rounding (nearest even) and the same canonical NaN as blink_from_acc on the device.
+# blink_to_acc2 splits one 32-bit word (element 2k in its low half) into two float32s.
+_PAIRS = {
+    "bfloat16": [
+        "#define BLINK_PAIRS 1",
+        "BLINK_HD void blink_to_acc2(blink_u32 w, float* lo, float* hi) "
+        "{ *lo = blink_bits_f32(w << 16); *hi = blink_bits_f32(w & 0xffff0000u); }",
+        "BLINK_HD blink_u32 blink_from_acc2(float lo, float hi) {\n"
+        "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800\n"
+        "    blink_u32 w;\n"
+        '    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));\n'
+        "    return w;\n"
+        "#else\n"
+        "    return ((blink_u32)blink_f32_to_bf16(hi) << 16) | (blink_u32)blink_f32_to_bf16(lo);\n"
+        "#endif\n"
+        "}",
+    ],
+    "float16": [
+        "#define BLINK_PAIRS 1",
+        "BLINK_HD void blink_to_acc2(blink_u32 w, float* lo, float* hi) "
+        "{ *lo = blink_f16_to_f32((unsigned short)(w & 0xffffu)); *hi = blink_f16_to_f32((unsigned short)(w >> 16)); }",
+        "BLINK_HD blink_u32 blink_from_acc2(float lo, float hi) {\n"
+        "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800\n"
+        "    blink_u32 w;\n"
+        '    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));\n'
+        "    return w;\n"
+        "#else\n"
+        "    return ((blink_u32)blink_f32_to_f16(hi) << 16) | (blink_u32)blink_f32_to_f16(lo);\n"
+        "#endif\n"
+        "}",
+    ],
+}
+
+
 def _check_dtype(dtype: str) -> tuple[str, str, str, str, str]:
     spec = _TYPES.get(dtype)
     if spec is None:
@@ -143,6 +181,7 @@ def acc_source(dtype: str) -> str:
     if family == "float":
         lines += [
             f"typedef {comp} blink_acc_t;",
+            *(_PAIRS[dtype] if dtype in _PAIRS else []),
             f"BLINK_HD blink_acc_t blink_to_acc(blink_t x) {{ return {to + '(x)' if to else 'x'}; }}",
             f"BLINK_HD blink_t blink_from_acc(blink_acc_t x) {{ return {frm + '(x)' if frm else 'x'}; }}",
             "BLINK_HD blink_acc_t blink_acc_sum(blink_acc_t x, blink_acc_t y) { return x + y; }",
@@ -180,6 +219,10 @@ def host_test_source(dtype: str) -> str:
         'extern "C" void host_average(const blink_t* a, blink_t* out, blink_i64 n, int k) '
         "{ for (blink_i64 i = 0; i < n; ++i) out[i] = blink_from_acc(blink_acc_finish_average(blink_to_acc(a[i]), k)); }"
     )
+    if dtype in _PAIRS:
+        src.append('extern "C" void host_pairs(const blink_u32* w, float* acc, blink_u32* back, blink_i64 n) '
+                   "{ for (blink_i64 i = 0; i < n; ++i) { blink_to_acc2(w[i], &acc[2 * i], &acc[2 * i + 1]); "
+                   "back[i] = blink_from_acc2(acc[2 * i], acc[2 * i + 1]); } }")
     if dtype == "float16":
         src.append('extern "C" void host_f16_to_f32(const unsigned short* a, float* out, blink_i64 n) '
                    "{ for (blink_i64 i = 0; i < n; ++i) out[i] = blink_f16_to_f32(a[i]); }")

@@ -95,8 +95,35 @@ __device__ __forceinline__ blink_u64* blink_word(const BlinkArgs& a, int rank, i
 
 union BlinkVec {
     uint4 u;
+    blink_u32 w[4];
     blink_t e[16 / sizeof(blink_t)];
 };
+
+/* A vector's elements as blink_acc_t, and back (rounded once, divided by n first where finish):
+ * half types two at a time (BLINK_PAIRS, kernels.py), where one packing conversion rounds two sums. */
+__device__ __forceinline__ void blink_unpack(const BlinkVec& v, blink_acc_t* x) {
+#ifdef BLINK_PAIRS
+#pragma unroll
+    for (int k = 0; k < 4; ++k) blink_to_acc2(v.w[k], &x[2 * k], &x[2 * k + 1]);
+#else
+#pragma unroll
+    for (int k = 0; k < 16 / (int)sizeof(blink_t); ++k) x[k] = blink_to_acc(v.e[k]);
+#endif
+}
+
+__device__ __forceinline__ blink_acc_t blink_finished(blink_acc_t x, int finish) {
+    return finish ? blink_acc_finish_average(x, finish) : x;
+}
+
+__device__ __forceinline__ void blink_pack(BlinkVec& v, const blink_acc_t* x, int finish) {
+#ifdef BLINK_PAIRS
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v.w[k] = blink_from_acc2(blink_finished(x[2 * k], finish), blink_finished(x[2 * k + 1], finish));
+#else
+#pragma unroll
+    for (int k = 0; k < 16 / (int)sizeof(blink_t); ++k) v.e[k] = blink_from_acc(blink_finished(x[k], finish));
+#endif
+}
 
 /* buf[me][lo, hi) = op over srcs (srcs[0] is buf[me]); fan-in up to BLINK_MAXR, unrolled so that the
  * source pointers stay in registers. */
@@ -150,8 +177,7 @@ __device__ void blink_reduce_range(const BlinkArgs& a, const int* src, int nsrc,
         for (int u = 0; u < U; ++u) {
             BlinkVec in;
             in.u = BLINK_SRC(0)[v + u * step];
-#pragma unroll
-            for (int k = 0; k < E; ++k) acc[u][k] = blink_to_acc(in.e[k]);
+            blink_unpack(in, acc[u]);
         }
 #pragma unroll
         for (int j = 1; j < BLINK_MAXR; ++j) {
@@ -160,17 +186,18 @@ __device__ void blink_reduce_range(const BlinkArgs& a, const int* src, int nsrc,
 #pragma unroll
                 for (int u = 0; u < U; ++u) t[u].u = BLINK_SRC(j)[v + u * step];
 #pragma unroll
-                for (int u = 0; u < U; ++u)
+                for (int u = 0; u < U; ++u) {
+                    blink_acc_t x[E];
+                    blink_unpack(t[u], x);
 #pragma unroll
-                    for (int k = 0; k < E; ++k) acc[u][k] = blink_acc_op<OP>(acc[u][k], blink_to_acc(t[u].e[k]));
+                    for (int k = 0; k < E; ++k) acc[u][k] = blink_acc_op<OP>(acc[u][k], x[k]);
+                }
             }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             BlinkVec out;
-#pragma unroll
-            for (int k = 0; k < E; ++k)
-                out.e[k] = blink_from_acc(finish ? blink_acc_finish_average(acc[u][k], finish) : acc[u][k]);
+            blink_pack(out, acc[u], finish);
             d[v + u * step] = out.u;
         }
     }
@@ -178,17 +205,17 @@ __device__ void blink_reduce_range(const BlinkArgs& a, const int* src, int nsrc,
         blink_acc_t acc[E];
         BlinkVec in;
         in.u = BLINK_SRC(0)[v];
-#pragma unroll
-        for (int k = 0; k < E; ++k) acc[k] = blink_to_acc(in.e[k]);
+        blink_unpack(in, acc);
         for (int j = 1; j < nsrc; ++j) {
             BlinkVec t;
             t.u = BLINK_SRC(j)[v];
+            blink_acc_t x[E];
+            blink_unpack(t, x);
 #pragma unroll
-            for (int k = 0; k < E; ++k) acc[k] = blink_acc_op<OP>(acc[k], blink_to_acc(t.e[k]));
+            for (int k = 0; k < E; ++k) acc[k] = blink_acc_op<OP>(acc[k], x[k]);
         }
         BlinkVec out;
-#pragma unroll
-        for (int k = 0; k < E; ++k) out.e[k] = blink_from_acc(finish ? blink_acc_finish_average(acc[k], finish) : acc[k]);
+        blink_pack(out, acc, finish);
         d[v] = out.u;
     }
     for (long long x = vhi + threadIdx.x; x < hi; x += blockDim.x) blink_reduce_one<OP>(a, src, nsrc, x, finish);
