@@ -19,10 +19,9 @@ STEPS=${STEPS:-"ref n2 n4 n8 d4 d8 probe2 probe8 tests"}
 SIZES=${SIZES:-"-b 8 -e 1G -f 2"}
 ITERS=${ITERS:-"-n 5 -w 1"}
 START=$(date +%s)
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/blink-mps CUDA_MPS_LOG_DIRECTORY=/tmp/blink-mps-log
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-nvidia-cuda-mps-control -d && sleep 1
-trap 'echo quit | nvidia-cuda-mps-control; sleep 1' EXIT
+. scripts/mps.sh
+mps_start
+trap mps_stop EXIT
 MPI=(mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x BLINK_TIMEOUT_SECONDS
      -x BLINK_PLAN_CACHE -x BLINK_TOPOLOGY -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY
      -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS)

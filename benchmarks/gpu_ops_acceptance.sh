@@ -32,10 +32,9 @@ STEPS=${STEPS:-"build runtime exact faults train step"}
 export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export BLINK_TIMEOUT_SECONDS=${BLINK_TIMEOUT_SECONDS:-60} BLINK_PLAN_CACHE=${BLINK_PLAN_CACHE:-/tmp/blink-plans}
 export HOROVOD_GLOO_TIMEOUT_SECONDS=120
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/blink-mps CUDA_MPS_LOG_DIRECTORY=/tmp/blink-mps-log
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-nvidia-cuda-mps-control -d && sleep 1
-trap 'echo quit | nvidia-cuda-mps-control; sleep 1' EXIT
+. scripts/mps.sh
+mps_start
+trap mps_stop EXIT
 log() { echo "[$(($(date +%s) - START)) s] $*" | tee -a "$OUT/steps.txt"; }
 BUDGET=${BUDGET:-0}
 in_time() {  # in_time STEP: false (and logged) once the budget leaves under a minute
@@ -137,15 +136,20 @@ step_hvdtest() {
     # Horovod's test/utils/common.py imports mock, which the GPU machine lacks: the carried wheel
     python3 -c "import mock" 2>/dev/null || python3 -m pip install -q --no-deps --no-index .carry/mock-*.whl \
         >>"$OUT/steps.txt" 2>&1
+    # Stock and Blink side by side (each suite takes several minutes there: every test is an hvd.init).
+    in_time hvdtest || return
+    local limit pids=()
+    limit=$(cap ${HVDTEST_LIMIT:-480})
     for blink in "" "--blink"; do
-        in_time "hvdtest $blink" || continue
         log "start hvdtest $blink"
-        timeout -k 5 $(cap ${HVDTEST_LIMIT:-240}) python3 tests/parallel/ops_reference_suite.py \
+        ( timeout -k 5 "$limit" python3 tests/parallel/ops_reference_suite.py \
             --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo $blink \
             --horovodrun "$(command -v horovodrun)" --test-timeout 60 --timeout-method thread --json "$OUT/hvdtest${blink:+_blink}.json" \
             >"$OUT/hvdtest${blink:+_blink}.log" 2>&1
-        log "rc=$? hvdtest $blink"
+          log "rc=$? hvdtest $blink" ) &
+        pids+=($!)
     done
+    wait "${pids[@]}"
 }
 for s in $STEPS; do
     declare -F "step_$s" >/dev/null || { log "unknown step $s (build runtime exact faults train step hvdtest)"; continue; }
