@@ -10,7 +10,8 @@
 # deadline of its own.
 export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/blink-mps}
 export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/blink-mps-log}
-MPS_RANKS='python3? .*(tests/|benchmarks/|examples/|-m blink_horovod|horovodrun)'
+# Python processes of this project's jobs (anchored: a shell whose command line names them is not one)
+MPS_RANKS='^([^ ]*/)?python3?(\.[0-9]+)? .*(tests/|benchmarks/|examples/|-m blink_horovod|horovodrun)'
 
 mps_stop() {
     pkill -9 -f "$MPS_RANKS" 2>/dev/null
