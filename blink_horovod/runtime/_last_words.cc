@@ -12,11 +12,20 @@
 // one alive, and hands over to the handler that was there before (libstdc++'s,
 // which prints the exception and aborts).
 //
+// A library loaded after this one may set a terminate handler of its own, and a process may carry a
+// second copy of libstdc++ whose handler this one cannot see (seen with CUDA tensors under torch: the
+// survivors printed libstdc++'s "terminate called after throwing ..." and aborted, ours silent).  Either
+// way the process ends in abort(): a SIGABRT handler says the same line when ours has not spoken (the
+// exception's text was printed just before, by whoever aborted), then hands the signal to the action that
+// was there before.
+//
 // Only async-signal-tolerant calls after the exception is known: sockets, poll,
 // snprintf into fixed buffers, write(2).
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <pthread.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -49,7 +58,11 @@ int g_probe_ms = 300;
 int g_linger_ms = 500;
 char g_context[256] = "";
 std::terminate_handler g_previous = nullptr;
-volatile int g_entered = 0;
+volatile int g_entered = 0;          // set by the first thread that speaks
+volatile pthread_t g_speaker;        // that thread: if it comes back in, a handler chained back to ours
+volatile int g_abort_entries = 0;
+struct sigaction g_previous_abort;
+volatile int g_abort_installed = 0;
 
 // For each peer: 1 if its port refused the connection (gone), 2 if no answer in time (silent), 0 if alive.
 void probe(int* verdict) {
@@ -101,21 +114,9 @@ void append(char* buf, size_t cap, const char* fmt, long a, long b) {
   if (used + 1 < cap) snprintf(buf + used, cap - used, fmt, a, b);
 }
 
-void last_words() {
-  if (__sync_lock_test_and_set(&g_entered, 1)) {  // a second thread terminating: only the first speaks
-    for (;;) pause();
-  }
-  char what[512] = "an exception that is not a std::exception";
-  if (std::exception_ptr e = std::current_exception()) {
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::exception& x) {
-      snprintf(what, sizeof(what), "%s", x.what());
-    } catch (...) {
-    }
-  } else {
-    snprintf(what, sizeof(what), "std::terminate called without an exception");
-  }
+// Probe the peers and print the one line naming those that exited.  ``kind`` is what is aborting
+// the process, ``what`` what it said.
+void speak(const char* kind, const char* what) {
   static int verdict[kMaxPeers];
   probe(verdict);
   static char gone[2048], silent[1024], line[4096];
@@ -135,16 +136,69 @@ void last_words() {
              g_context);
   else
     snprintf(line, sizeof(line),
-             "[blink_horovod ERROR] rank %d: an uncaught C++ exception is aborting this process: %s; every "
+             "[blink_horovod ERROR] rank %d: %s is aborting this process: %s; every "
              "other rank's status port still answers%s%s%s%s\n",
-             g_rank, what, nsilent ? " but ranks [" : "", silent, nsilent ? "] (stopped or unreachable)" : "",
+             g_rank, kind, what, nsilent ? " but ranks [" : "", silent, nsilent ? "] (stopped or unreachable)" : "",
              g_context);
   ssize_t ignored = write(2, line, strlen(line));
   (void)ignored;
   timespec linger = {g_linger_ms / 1000, (g_linger_ms % 1000) * 1000000L};
   nanosleep(&linger, nullptr);  // ranks that abort a little later find this one still alive
-  if (g_previous) g_previous();
+}
+
+// True for the first caller, which then speaks; false for any later one.
+bool first_to_speak() {
+  if (__sync_lock_test_and_set(&g_entered, 1)) return false;
+  g_speaker = pthread_self();
+  return true;
+}
+
+void last_words() {
+  if (!first_to_speak()) {
+    // Our line is out.  The same thread back here means a handler we handed over to chained back
+    // to ours: end it.  Another thread terminating too: only the first speaks; this one waits for it.
+    if (pthread_equal(g_speaker, pthread_self())) abort();
+    for (;;) pause();
+  }
+  char what[600] = "an uncaught C++ exception that is not a std::exception";
+  if (std::exception_ptr e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      snprintf(what, sizeof(what), "%s", x.what());
+    } catch (...) {
+    }
+  } else {
+    snprintf(what, sizeof(what), "std::terminate called without an exception");
+  }
+  speak("an uncaught C++ exception", what);
+  if (g_previous && g_previous != last_words) g_previous();
   abort();
+}
+
+// SIGABRT without our terminate handler having spoken: someone else's handler (or a second copy of
+// libstdc++) printed the exception and aborted.  Say our line, then the previous action runs.
+void on_abort(int sig) {
+  if (__sync_add_and_fetch(&g_abort_entries, 1) == 1 && g_npeers > 0 && first_to_speak())
+    speak("an abort (SIGABRT)", "the lines before this one say what aborted it");
+  if (g_abort_entries > 1 || g_previous_abort.sa_handler == SIG_IGN) {
+    signal(sig, SIG_DFL);  // a previous action that sent it back here: end as abort() would
+  } else {
+    sigaction(sig, &g_previous_abort, nullptr);
+  }
+  raise(sig);  // blocked while this handler runs: delivered to that action as it returns
+}
+
+void install_abort_handler() {
+  struct sigaction ours;
+  memset(&ours, 0, sizeof(ours));
+  ours.sa_handler = on_abort;
+  sigemptyset(&ours.sa_mask);
+  struct sigaction before;
+  if (sigaction(SIGABRT, &ours, &before) == 0) {
+    if (before.sa_handler != on_abort) g_previous_abort = before;
+    g_abort_installed = 1;
+  }
 }
 
 }  // namespace
@@ -175,11 +229,18 @@ int blink_last_words_install(int rank, int n, const int* ranks, const int* pids,
   snprintf(g_context, sizeof(g_context), "%s", context ? context : "");
   std::terminate_handler previous = std::set_terminate(last_words);
   if (previous != last_words) g_previous = previous;
+  install_abort_handler();
   return kept;
 }
 
 // Put back the handler that was there before (the job this one named is over); 1 if it was ours.
 int blink_last_words_uninstall(void) {
+  if (g_abort_installed) {
+    struct sigaction now;
+    if (sigaction(SIGABRT, nullptr, &now) == 0 && now.sa_handler == on_abort)
+      sigaction(SIGABRT, &g_previous_abort, nullptr);
+    g_abort_installed = 0;
+  }
   std::terminate_handler current = std::get_terminate();
   if (current != last_words) return 0;
   std::set_terminate(g_previous);
@@ -187,10 +248,31 @@ int blink_last_words_uninstall(void) {
   return 1;
 }
 
+// Replace the terminate handler as a library loaded later might (tests): ``chain`` makes the newcomer
+// hand over to the handler it replaced, as well-behaved ones do.
+void blink_last_words_selftest_replace(int chain);
+
 // Run the handler as Horovod's thread would reach it (tests): throws, uncaught, on a new thread.
 void blink_last_words_selftest(const char* message);
 
 }  // extern "C"
+
+namespace {
+std::terminate_handler g_replaced = nullptr;
+int g_chain = 0;
+void newcomer() {
+  const char line[] = "newcomer's terminate handler\n";
+  ssize_t ignored = write(2, line, sizeof(line) - 1);
+  (void)ignored;
+  if (g_chain && g_replaced) g_replaced();
+  abort();
+}
+}  // namespace
+
+void blink_last_words_selftest_replace(int chain) {
+  g_chain = chain;
+  g_replaced = std::set_terminate(newcomer);
+}
 
 void blink_last_words_selftest(const char* message) {
   std::string text(message);

@@ -8,7 +8,10 @@ Blink cannot turn that into an exception, but it can make each rank's last line
 say who died: ``_last_words.cc`` is a ``std::terminate`` handler that asks
 every rank's status port (:mod:`blink_horovod.ops.peer_status`) whether it is
 still there and prints, on stderr, the ranks whose port refuses connections,
-before libstdc++'s own handler prints the exception and aborts.
+before libstdc++'s own handler prints the exception and aborts.  Where another
+terminate handler runs instead (a library that set its own after this one, or a
+second copy of libstdc++ in the process), the process still ends in ``abort()``,
+and a SIGABRT handler says the same line there.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def _library() -> ctypes.CDLL:
     lib.blink_last_words_uninstall.argtypes = []
     lib.blink_last_words_selftest.restype = None
     lib.blink_last_words_selftest.argtypes = [ctypes.c_char_p]
+    lib.blink_last_words_selftest_replace.restype = None
+    lib.blink_last_words_selftest_replace.argtypes = [ctypes.c_int]
     return lib
 
 

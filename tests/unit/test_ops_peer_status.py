@@ -116,6 +116,37 @@ def test_an_uncaught_cpp_exception_names_the_ranks_that_exited_before_aborting()
     assert "terminate called after throwing an instance of 'std::runtime_error'" in proc.stderr, proc.stderr
 
 
+_REPLACED = """
+import sys
+from blink_horovod.runtime import last_words
+assert last_words.install(0, {1: (["127.0.0.1"], int(sys.argv[1]), 4242)}) == 1
+lib = last_words._library()
+lib.blink_last_words_selftest_replace(0)  # a library loaded later sets its own handler, which does not chain
+lib.blink_last_words_selftest(b"Connection reset by peer")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_abort_through_another_terminate_handler_still_names_the_ranks_that_exited() -> None:
+    """Seen with CUDA tensors under torch: the survivors' terminate handler was not ours; the SIGABRT that
+    ends the process then speaks for it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-c", _REPLACED, str(dead_port)], capture_output=True, text=True,
+                          timeout=100, env=dict(os.environ), check=False)
+    assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stderr)
+    assert "newcomer's terminate handler" in proc.stderr, proc.stderr
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("[blink_horovod ERROR] rank 0:")]
+    assert len(ours) == 1, proc.stderr
+    assert "rank 1 (pid 4242) has exited" in ours[0] and "the lines before this one say" in ours[0], ours[0]
+
+
 def test_a_horovod_failure_is_explained_only_where_a_rank_has_exited() -> None:
     from blink_horovod.errors import BlinkInternalError, BlinkTimeoutError
     from blink_horovod.ops.horovod_wait import wait_horovod
