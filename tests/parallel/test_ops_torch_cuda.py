@@ -40,14 +40,16 @@ def test_cuda_tensors_exact_and_carried(tmp_path, hosts: list[str], servers: int
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_training_whose_gradients_overlap_the_backward_pass_does_not_stall(tmp_path, dtype: str) -> None:
-    """DistributedOptimizer on 16 M parameters (64 MB of float32 gradients), allreduced while the backward
-    pass still runs on both ranks, in buffers first seen mid-training.  A tree kernel spins on its
-    peer's flags, so a rank that waited for the device between agreeing and launching (a kernel's lazy
-    load, a peer's IPC mapping, a free) stalled here until the timeout; now the steps end."""
+    """DistributedOptimizer on 103 M parameters (411 MB of float32 gradients, the step-time benchmark's
+    model), allreduced while the backward pass still runs on both ranks, in buffers and sizes first seen
+    mid-training.  A tree kernel spins on its peer's flags, so a rank that waited for the device between
+    agreeing and launching (a kernel's lazy load, a peer's IPC mapping, a free, a work table's upload:
+    the last seen on an H100 with this model in float32) stalled here until the timeout; now the steps
+    end."""
     require_horovod()
     env = job_env({"BLINK_TIMEOUT_SECONDS": "20"}, tmp=tmp_path)
     p = run_job(["-np", "2", "-H", "localhost:2", sys.executable, str(ROOT / "benchmarks" / "gpu_step_time.py"),
-                 "--dtype", dtype, "--width", "2048", "--layers", "4", "--steps", "3", "--warmup", "1",
+                 "--dtype", dtype, "--steps", "3", "--warmup", "1",
                  "--dump-after", "15"], env, timeout=300)
     step = [json.loads(s) for s in re.findall(r"STEP (\{.*\})", p.stdout)]
     assert step and "error" not in step[0] and step[0]["blink"], tail(p)
