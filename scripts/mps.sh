@@ -13,8 +13,17 @@ export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/blink-mps-log}
 # Python processes of this project's jobs (anchored: a shell whose command line names them is not one)
 MPS_RANKS='^([^ ]*/)?python3?(\.[0-9]+)? .*(tests/|benchmarks/|examples/|-m blink_horovod|horovodrun)'
 
+mps_ranks() {  # the PIDs of those that hold the GPU open (a launcher or a harness does not)
+    local p
+    for p in $(pgrep -f "$MPS_RANKS"); do
+        ls -l "/proc/$p/fd" 2>/dev/null | grep -q ' -> /dev/nvidia' && echo "$p"
+    done
+}
+
 mps_stop() {
-    pkill -9 -f "$MPS_RANKS" 2>/dev/null
+    local pids
+    pids=$(mps_ranks)
+    [ -n "$pids" ] && kill -9 $pids 2>/dev/null
     timeout 15 sh -c 'echo quit | nvidia-cuda-mps-control' >/dev/null 2>&1
     sleep 1
 }
