@@ -123,40 +123,32 @@ BLINK_HD unsigned short blink_f32_to_f16(float f) {
 
 
 # Half types convert two elements at a time where the kernel moves 16-byte vectors: one packing
-# conversion (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, sm_80 and later) rounds two float32 sums, where
-# two scalar conversions and the packing of their halves cost four instructions; the scalar
-# conversions are the narrow ones on the SM, and bound a half-type reduction before memory does.
-# Same rounding (nearest even) and the same canonical NaN as blink_from_acc on the device.
-# blink_to_acc2 splits one 32-bit word (element 2k in its low half) into two float32s.
+# conversion (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, sm_80 and later) rounds two float32 sums, where two
+# scalar conversions and the packing of their halves take four instructions (measured neutral on an
+# H100, whose memory bounds these reductions first: docs/gpu-runtime.md).  Same rounding (nearest even)
+# and the same canonical NaN as blink_from_acc on the device.  blink_to_acc2 splits one 32-bit word
+# (element 2k in its low half) into two float32s.
+def _pair_source(split: str, pack: str, scalar: str) -> list[str]:
+    return [
+        "#define BLINK_PAIRS 1",
+        f"BLINK_HD void blink_to_acc2(blink_u32 w, float* lo, float* hi) {{ {split} }}",
+        "BLINK_HD blink_u32 blink_from_acc2(float lo, float hi) {\n"
+        "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800\n"
+        "    blink_u32 w;\n"
+        f'    asm("{pack} %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));\n'
+        "    return w;\n"
+        "#else\n"
+        f"    return ((blink_u32){scalar}(hi) << 16) | (blink_u32){scalar}(lo);\n"
+        "#endif\n"
+        "}",
+    ]
+
+
 _PAIRS = {
-    "bfloat16": [
-        "#define BLINK_PAIRS 1",
-        "BLINK_HD void blink_to_acc2(blink_u32 w, float* lo, float* hi) "
-        "{ *lo = blink_bits_f32(w << 16); *hi = blink_bits_f32(w & 0xffff0000u); }",
-        "BLINK_HD blink_u32 blink_from_acc2(float lo, float hi) {\n"
-        "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800\n"
-        "    blink_u32 w;\n"
-        '    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));\n'
-        "    return w;\n"
-        "#else\n"
-        "    return ((blink_u32)blink_f32_to_bf16(hi) << 16) | (blink_u32)blink_f32_to_bf16(lo);\n"
-        "#endif\n"
-        "}",
-    ],
-    "float16": [
-        "#define BLINK_PAIRS 1",
-        "BLINK_HD void blink_to_acc2(blink_u32 w, float* lo, float* hi) "
-        "{ *lo = blink_f16_to_f32((unsigned short)(w & 0xffffu)); *hi = blink_f16_to_f32((unsigned short)(w >> 16)); }",
-        "BLINK_HD blink_u32 blink_from_acc2(float lo, float hi) {\n"
-        "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800\n"
-        "    blink_u32 w;\n"
-        '    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));\n'
-        "    return w;\n"
-        "#else\n"
-        "    return ((blink_u32)blink_f32_to_f16(hi) << 16) | (blink_u32)blink_f32_to_f16(lo);\n"
-        "#endif\n"
-        "}",
-    ],
+    "bfloat16": _pair_source("*lo = blink_bits_f32(w << 16); *hi = blink_bits_f32(w & 0xffff0000u);",
+                             "cvt.rn.bf16x2.f32", "blink_f32_to_bf16"),
+    "float16": _pair_source("*lo = blink_f16_to_f32((unsigned short)(w & 0xffffu)); "
+                            "*hi = blink_f16_to_f32((unsigned short)(w >> 16));", "cvt.rn.f16x2.f32", "blink_f32_to_f16"),
 }
 
 
