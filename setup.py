@@ -81,7 +81,7 @@ setup(
     package_dir=PACKAGE_DIR,
     # The simulator's event loop in C (sim/native.py compiles it on first use).
     package_data={"blink_horovod.sim": ["_fluid.c"], "blink_horovod.runtime": ["_streamcopy.c", "_last_words.cc"],
-                  "blink_horovod.runtime.gpu": ["trees.cu"]},
+                  "blink_horovod.runtime.gpu": ["trees.cu", "_replay.c"]},
     python_requires=">=3.11",
     install_requires=[
         "numpy",

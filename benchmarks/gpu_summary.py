@@ -58,17 +58,17 @@ def main(out: str) -> int:
                   f"{f'{two:.0f}' if two else '-'} | {lat} | {wrong} |")
     probes = sorted(glob.glob(os.path.join(out, "probe*.log")))
     if probes:
-        print("\n| probe | size | per op in a loop (us, max over ranks) | host per call (us, max) |")
+        print("\n| probe | size, host path | per op in a loop (us, max over ranks) | host per call (us, max) |")
         print("| --- | --- | --- | --- |")
         for path in probes:
             head = None
             rows: list[list[float]] = []
             for line in _lines(path):
-                if line.strip().endswith("per rank:"):
+                if "per rank" in line and line.strip().endswith(":"):
                     if head and rows:
                         print(f"| {head[0]} | {head[1]} | {max(r[0] for r in rows):.1f} | {max(r[1] for r in rows):.1f} |")
-                    parts = line.split(":")[0].split(",")
-                    head, rows = (parts[0].strip(), parts[1].strip()), []
+                    parts = line.split(":")[0].split(",")  # "2 ranks, 8 B[, native]"
+                    head, rows = (parts[0].strip(), ", ".join(p.strip() for p in parts[1:])), []
                 elif line.strip().startswith("rank ") and head:
                     rows.append([float(v) for v in line.split(":")[1].split()])
             if head and rows:

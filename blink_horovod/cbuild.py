@@ -1,8 +1,9 @@
 """C sources of this package compiled once per machine and loaded through ctypes.
 
-Two parts of blink_horovod have a C twin of a hot loop: the simulator's event
-loop (``sim/_fluid.c``) and the CPU runtime's streaming copies
-(``runtime/_streamcopy.c``); and one C++ piece must be native code: the
+Three parts of blink_horovod have a C twin of a hot loop: the simulator's event
+loop (``sim/_fluid.c``), the CPU runtime's streaming copies
+(``runtime/_streamcopy.c``) and the GPU executor's repeated collective
+(``runtime/gpu/_replay.c``); and one C++ piece must be native code: the
 terminate handler that names dead ranks when Horovod aborts
 (``runtime/_last_words.cc``).  Each is built on first use with the system C
 compiler (``$CC``, else ``cc`` or ``gcc``) into the user's cache directory
@@ -32,6 +33,7 @@ _PACKAGE = Path(__file__).parent
 SOURCES: dict[str, tuple[Path, tuple[str, ...]]] = {
     "fluid": (_PACKAGE / "sim" / "_fluid.c", ("-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")),
     "streamcopy": (_PACKAGE / "runtime" / "_streamcopy.c", ("-O2", "-fPIC", "-shared")),
+    "replay": (_PACKAGE / "runtime" / "gpu" / "_replay.c", ("-O2", "-fPIC", "-shared")),
     # C++ (gcc compiles .cc as C++): must share the process's libstdc++, whose terminate handler it sets.
     "last_words": (_PACKAGE / "runtime" / "_last_words.cc",
                    ("-O2", "-fPIC", "-shared", "-pthread", "-Wl,--no-as-needed", "-lstdc++")),

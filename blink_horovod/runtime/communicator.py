@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -580,8 +581,12 @@ class _DeviceFlat:
             raise ConfigError(f"{what}: expected a CUDA array (CuPy, torch, __cuda_array_interface__) on device "
                               f"'cuda', got {type(arr).__name__}")
         shape = tuple(cai["shape"])
-        dt = np.dtype(cai["typestr"])
-        size = int(np.prod(shape)) if shape else 1
+        known = _CAI_SEEN.get(cai["typestr"])
+        if known is None:
+            dt = np.dtype(cai["typestr"])
+            known = _CAI_SEEN[cai["typestr"]] = (dt, dtype_name(dt))
+        dt = known[0]
+        size = math.prod(shape)
         strides = cai.get("strides")
         if strides is not None:
             want, acc = [], dt.itemsize
@@ -592,13 +597,14 @@ class _DeviceFlat:
                     st for st, d in zip(reversed(want), shape) if d > 1):
                 raise ConfigError(f"{what}: the CUDA array must be C-contiguous (shape {list(shape)}, strides "
                                   f"{list(strides)})")
-        return cls(int(cai["data"][0]), size, dt, dtype_name(dt))
+        return cls(int(cai["data"][0]), size, dt, known[1])
 
 
 _TORCH_NAMES = {"float32": "float32", "float64": "float64", "float16": "float16", "bfloat16": "bfloat16",
                 "int32": "int32", "int64": "int64", "int8": "int8", "uint8": "uint8", "int16": "int16"}
 
 
+_CAI_SEEN: dict[str, tuple[np.dtype, str]] = {}  # __cuda_array_interface__ typestr -> dtype, Blink's name
 _TORCH_SEEN: dict[Any, str] = {}  # torch dtype -> Blink's name (this runs on every collective)
 
 

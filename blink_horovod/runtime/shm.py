@@ -447,6 +447,14 @@ class ShmTransport(Transport):
         finally:
             own.words[W_SLEEP] = 0
 
+    def native_layout(self) -> tuple[int, list[int], list[int]] | None:
+        segs = self._segs
+        return self.generation, [seg.base for seg in segs], [seg.base + seg.layout["meta0"] for seg in segs]
+
+    @property
+    def generation(self) -> int:  # type: ignore[override]
+        return self._gen
+
     def write_region(self, region: str, data: bytes) -> None:
         own = self._segs[self.rank]
         off = own.layout[region]

@@ -163,6 +163,8 @@ class Transport(ABC):
 
     rank: int
     nranks: int
+    # Grows whenever :meth:`reserve` maps new segments (addresses from :meth:`native_layout` then move).
+    generation: int = 0
     # Added to the ranks that messages name: in a job of several servers, the server's first global
     # rank, so that errors and warnings name ranks as Horovod numbers them (set by the Horovod layer).
     rank_offset: int = 0
@@ -256,12 +258,25 @@ class Transport(ABC):
         slot a peer may still read (it cannot be two ahead: collective seq+1
         needs every rank's metadata of seq+1, posted after it finished seq).
         """
+        self.post_meta(seq, payload, ctx)
+        return self.collect_meta(seq, payload, ctx)
+
+    def post_meta(self, seq: int, payload: bytes, ctx: WaitContext) -> None:
+        """The first half of :meth:`exchange_meta`: this rank's payload of collective ``seq``, posted.
+
+        The GPU executor's native repeat (``runtime/gpu/_replay.c``) writes the same bytes and words in
+        the same order."""
         if len(payload) > META_BYTES:
             raise BlinkInternalError(f"{ctx.label}: metadata of {len(payload)} bytes exceeds {META_BYTES}")
         slot = seq & 1
         self.write_region(f"meta{slot}", payload)
         self.store(W_META_LEN + slot, len(payload))
         self.store(W_META_SEQ, seq)
+
+    def collect_meta(self, seq: int, payload: bytes, ctx: WaitContext) -> list[bytes]:
+        """The second half of :meth:`exchange_meta`: wait for every peer's metadata of collective ``seq``
+        (this rank's, ``payload``, already posted) and return every rank's."""
+        slot = seq & 1
         peers = [r for r in range(self.nranks) if r != self.rank]
         self.wait_words(peers, W_META_SEQ, seq, ctx, "metadata")
         out = []
@@ -271,6 +286,13 @@ class Transport(ABC):
             else:
                 out.append(self.read_region(r, f"meta{slot}", self.load(r, W_META_LEN + slot)))
         return out
+
+    def native_layout(self) -> tuple[int, list[int], list[int]] | None:
+        """Where native code finds every rank's control words and metadata slot 0, as mapped in this
+        process: ``(generation, words, meta)`` (addresses; slot 1 follows slot 0 at ``META_BYTES``), or
+        None where the transport has no such memory (threads over the loopback).  The addresses hold
+        until the generation changes (:meth:`reserve` may map new segments)."""
+        return None
 
     def abort(self, exc: BaseException) -> None:
         """Tell every peer this rank failed, with ``exc``'s message and class."""

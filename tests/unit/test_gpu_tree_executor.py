@@ -11,18 +11,23 @@ a mismatch raised on every rank, a device-side timeout reported.  The kernel its
 from __future__ import annotations
 
 import ctypes
+import itertools
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
 from support.loopback import hand_planner
 from support.ranks import rank_outcomes, run_ranks
 
-from blink_horovod.errors import BlinkTimeoutError, MismatchError
+from blink_horovod.errors import BlinkInternalError, BlinkTimeoutError, MismatchError
 from blink_horovod.runtime import communicator as cm
 from blink_horovod.runtime.gpu.tree_executor import ARGS_DTYPE, THREADS, TreeExecutor
 from blink_horovod.runtime.gpu.work import ITEM_DTYPE, TREE_DTYPE
 from blink_horovod.runtime.loopback import LoopbackWorld
+from blink_horovod.runtime.shm import ShmTransport
+from blink_horovod.runtime.transport import WaitContext
 from blink_horovod.topology import machines
 
 pytestmark = pytest.mark.timeout(120)
@@ -137,6 +142,26 @@ class FakeCuda:
         args = np.frombuffer(ctypes.string_at(args_ptr, ARGS_DTYPE.itemsize), ARGS_DTYPE).copy()
         self.launches.append((args, grid, block, stream, fn))
 
+    # What the native repeat (runtime/gpu/_replay.c) launches through: a function with cuLaunchKernel's
+    # signature, here a recorder that keeps what launch_kernel keeps.
+    _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_void_p)
+
+    def function_address(self, fn) -> int:
+        return 0x1000 + ["blink_trees_sum", "blink_trees_min", "blink_trees_max", "blink_trees_product"].index(fn)
+
+    def launch_address(self) -> int:
+        names = ["blink_trees_sum", "blink_trees_min", "blink_trees_max", "blink_trees_product"]
+
+        def launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
+            self.native_launches += 1
+            self.launch_kernel(names[function - 0x1000], gx, bx, stream or 0, params)
+            return self.launch_error
+
+        self.native_launches, self.launch_error = 0, 0
+        self._launch = self._LAUNCH(launch)
+        return ctypes.cast(self._launch, ctypes.c_void_p).value
+
 
 class FakeTensor:
     """A CUDA array as CuPy shows it (``__cuda_array_interface__``), at a given address."""
@@ -147,7 +172,23 @@ class FakeTensor:
                                          "version": 3, "strides": None}
 
 
-def make_comms(world: LoopbackWorld, rank: int, n: int) -> tuple[cm.Communicator, FakeCuda]:
+class ShmWorld:
+    """Thread-ranks over shared memory segments (``ShmTransport``), where repeats go through the native
+    call (``runtime/gpu/_replay.c``) as they do on the GPU machine."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.job = n, f"gputest{os.getpid()}x{next(_JOBS)}"
+
+    def transport(self, rank: int) -> ShmTransport:
+        ctx = WaitContext.start("test setup", 20.0, 10.0)
+        return ShmTransport(rank, self.n, self.job, ctx, pids=[os.getpid()] * self.n, data_bytes=4096, nflags=16)
+
+
+_JOBS = itertools.count()
+WORLDS = {"loopback": LoopbackWorld, "shm": ShmWorld}
+
+
+def make_comms(world: LoopbackWorld | ShmWorld, rank: int, n: int) -> tuple[cm.Communicator, FakeCuda]:
     t = world.transport(rank)
     cuda = FakeCuda(rank)
     comm = cm.Communicator(rank, n, machines.cpu(n), None, device="cpu", transport=t,
@@ -155,6 +196,10 @@ def make_comms(world: LoopbackWorld, rank: int, n: int) -> tuple[cm.Communicator
     # The CUDA path as users reach it, with the executor on the recording device.
     comm.device = "cuda"
     comm._executor = TreeExecutor(t, 20.0, 10.0, cuda=cuda)
+    if comm._executor._native is not None:
+        # Thread-ranks take turns at the GIL: a native repeat waits for its peers' posts as long as they take
+        # (the tests count which calls went native; the late-peer test sets a short spin).
+        comm._executor._native.spin_ns = 10**10
     return comm, cuda
 
 
@@ -162,9 +207,10 @@ def tensor_at(cuda: FakeCuda, offset: int, count: int, typestr: str = "<f4") -> 
     return FakeTensor(((cuda.rank + 1) << 36) + offset, count, typestr)
 
 
-def run(n: int, body, close=lambda comm: comm.close()):
-    """``body(rank, comm, cuda)`` on n thread-ranks; ``close(comm)`` after it, whatever happened."""
-    world = LoopbackWorld(n)
+def run(n: int, body, close=lambda comm: comm.close(), world: str = "loopback"):
+    """``body(rank, comm, cuda)`` on n thread-ranks over the ``world`` transport; ``close(comm)`` after it,
+    whatever happened."""
+    world = WORLDS[world](n)
 
     def rank(r: int):
         comm, cuda = make_comms(world, r, n)
@@ -198,7 +244,8 @@ def test_each_rank_gets_every_tensor_through_its_mapping() -> None:
         assert a["nitems"] >= n  # a star per rank, each with at least one item
 
 
-def test_tables_of_a_known_plan_are_uploaded_before_the_exchange() -> None:
+@pytest.mark.parametrize("world", WORLDS)
+def test_tables_of_a_known_plan_are_uploaded_before_the_exchange(world: str) -> None:
     """Uploading work tables waits for the device.  With the plan already agreed on, that wait comes before
     the collective's metadata exchange, where no peer's kernel can yet be spinning for this rank's; a plan
     new to every rank is uploaded after the exchange, and every rank meets the others again before any
@@ -220,7 +267,7 @@ def test_tables_of_a_known_plan_are_uploaded_before_the_exchange() -> None:
         comm.allreduce(y, name="b")  # known plan, new size: upload before the exchange, no meeting
         return first, replayed, (before, list(cuda.syncs), ex.seq), len(cuda.launches)
 
-    for first, replayed, known, launches in run(n, body):
+    for first, replayed, known, launches in run(n, body, world=world):
         start, syncs, end = first
         assert syncs == [start + 1] and end == start + 2, first
         assert replayed[0] == [] and replayed[1] == end + 1, replayed
@@ -246,7 +293,8 @@ def test_tables_match_the_plan_and_broadcast_runs_the_second_phase_only() -> Non
         assert all(trees["parent"] == (-1 if r == 2 else 2))  # hand-made stars from the root
 
 
-def test_a_repeat_is_replayed_and_one_handle_is_taken_per_allocation() -> None:
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_repeat_is_replayed_and_one_handle_is_taken_per_allocation(world: str) -> None:
     n = 2
 
     def body(r, comm, cuda):
@@ -256,16 +304,21 @@ def test_a_repeat_is_replayed_and_one_handle_is_taken_per_allocation() -> None:
             comm.allreduce(x, name="x")
         comm.allreduce(y, name="y")
         epochs = [int(lw[0][0]["epoch"]) for lw in cuda.launches]
-        return epochs, len(cuda.handles_taken), len(cuda.opened), len(comm._executor._replays)
+        return (epochs, len(cuda.handles_taken), len(cuda.opened), len(comm._executor._replays),
+                getattr(cuda, "native_launches", 0))
 
-    for epochs, taken, opened, replays in run(n, body):
+    for epochs, taken, opened, replays, native in run(n, body, world=world):
         assert epochs == list(range(1, 7))
+        # Over shared memory, repeats launch from native code once every peer's repeat payload is known
+        # (the second call's peers still sent their handles): calls 3 to 5.
+        assert native == (3 if world == "shm" else 0)
         assert taken == 2  # the flag segment, then one tensor allocation
         assert opened == 2  # the peer's flag segment, then its allocation (once, though two tensors)
         assert replays == 2
 
 
-def test_a_peer_whose_tensor_moved_is_followed_by_a_rank_that_replays() -> None:
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_peer_whose_tensor_moved_is_followed_by_a_rank_that_replays(world: str) -> None:
     n = 2
 
     def body(r, comm, cuda):
@@ -277,7 +330,7 @@ def test_a_peer_whose_tensor_moved_is_followed_by_a_rank_that_replays() -> None:
         comm.allreduce(x, name="x")
         return [lw[0][0]["buf"][: n].tolist() for lw in cuda.launches], len(cuda.opened), len(cuda.handles_taken)
 
-    (bufs0, opened0, _), (bufs1, _, taken1) = run(n, body)
+    (bufs0, opened0, _), (bufs1, _, taken1) = run(n, body, world=world)
     assert taken1 == 3  # rank 1 registered its new allocation (flags, old, new)...
     assert opened0 == 3  # ...rank 0, replaying, opened that handle...
     assert bufs0[2][1] == MAPPED + (2 << 36)  # ...and hands the kernel its mapping
@@ -302,7 +355,8 @@ def test_a_mismatch_is_raised_on_every_rank_naming_the_field() -> None:
         assert "shape" in str(o.error) and "rank 1" in str(o.error)
 
 
-def test_a_timeout_found_by_the_kernel_is_reported_at_the_next_call() -> None:
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_timeout_found_by_the_kernel_is_reported_at_the_next_call(world: str) -> None:
     n = 2
 
     def body(r, comm, cuda):
@@ -318,7 +372,74 @@ def test_a_timeout_found_by_the_kernel_is_reported_at_the_next_call() -> None:
         comm._executor._closed = True
         comm._executor.t.close()
 
-    assert run(n, body, close) == [True, True]
+    assert run(n, body, close, world=world) == [True, True]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_mismatch_met_while_peers_replay_is_raised_on_every_rank(world: str) -> None:
+    """Ranks 0 and 2 repeat a collective (natively over shared memory) while rank 1 calls it with another op:
+    the bytes differ, the fields are checked, and every rank raises naming rank 1 and the op."""
+    n = 3
+
+    def body(r, comm, cuda):
+        x = tensor_at(cuda, 0, 4096)
+        for _ in range(3):
+            comm.allreduce(x, name="m")
+        with pytest.raises(MismatchError) as err:
+            comm.allreduce(x, "max" if r == 1 else "sum", name="m")
+        return str(err.value)
+
+    def close(comm) -> None:  # failed executors: nothing to drain
+        comm._executor._closed = True
+        comm._executor.t.close()
+
+    for message in run(n, body, close, world=world):
+        assert "rank 1" in message and "op" in message, message
+
+
+def test_a_late_peer_is_waited_for_as_every_wait_is() -> None:
+    """A peer that posts long after the native call's spin: the call hands back with this rank's payload
+    posted, Python's wait (sleeping, checking the peers) takes over, and the launch is the same."""
+    n = 3
+
+    def body(r, comm, cuda):
+        comm._executor._native.spin_ns = 20_000_000  # 20 ms, well under rank 2's delay
+        x = tensor_at(cuda, 0, 4096)
+        for i in range(5):
+            if r == 2 and i == 3:
+                time.sleep(0.3)
+            comm.allreduce(x, name="late")
+        return [int(lw[0][0]["epoch"]) for lw in cuda.launches], cuda.native_launches, \
+            [lw[0][0]["buf"][:n].tolist() for lw in cuda.launches]
+
+    got = run(n, body, world="shm")
+    for r, (epochs, native, bufs) in enumerate(got):
+        assert epochs == [1, 2, 3, 4, 5], (r, epochs)
+        # calls 3 and 5 native everywhere; call 4 too on rank 2, which came last and found every post there
+        assert native == (3 if r == 2 else 2), (r, native)
+        assert all(b == bufs[1] for b in bufs[1:]), (r, bufs)
+
+
+def test_a_failed_native_launch_is_raised_naming_the_cuda_error() -> None:
+    n = 2
+
+    def body(r, comm, cuda):
+        x = tensor_at(cuda, 0, 4096)
+        for _ in range(3):
+            comm.allreduce(x, name="f")
+        cuda.launch_error = 700 if r == 0 else 0
+        if r == 0:
+            with pytest.raises(BlinkInternalError, match="cuLaunchKernel failed with CUDA error 700"):
+                comm.allreduce(x, name="f")
+        else:
+            comm.allreduce(x, name="f")
+        return cuda.native_launches
+
+    def close(comm) -> None:
+        comm._executor._closed = True
+        comm._executor.t.close()
+
+    assert run(n, body, close, world="shm") == [2, 2]  # rank 0's failed launch is counted as tried
 
 
 def test_ranks_sharing_a_gpu_without_mps_are_warned(tmp_path, monkeypatch, caplog) -> None:

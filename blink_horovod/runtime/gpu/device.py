@@ -197,8 +197,18 @@ class Cuda:
     # -- kernels -----------------------------------------------------------------
     def launch_kernel(self, fn: Any, grid: int, block: int, stream: int, params: int) -> None:
         """``cuLaunchKernel`` of a RawModule function with a ready ``void*[]`` of parameters (an address)."""
-        self.cupy.cuda.driver.launchKernel(int(getattr(fn, "kernel", fn).ptr), grid, 1, 1, block, 1, 1, 0,
+        self.cupy.cuda.driver.launchKernel(self.function_address(fn), grid, 1, 1, block, 1, 1, 0,
                                            stream, params, 0)
+
+    def launch_address(self) -> int:
+        """The address of the driver's ``cuLaunchKernel``, for native code that launches (``_replay.c``)."""
+        if self._libcuda is None:
+            self._libcuda = ctypes.CDLL("libcuda.so.1")
+        return int(ctypes.cast(self._libcuda.cuLaunchKernel, ctypes.c_void_p).value)
+
+    def function_address(self, fn: Any) -> int:
+        """The ``CUfunction`` of a RawModule function."""
+        return int(getattr(fn, "kernel", fn).ptr)
 
     def blocks_per_sm(self, fn: Any, block: int) -> int:
         """How many blocks of ``block`` threads of ``fn`` one SM holds at once (the occupancy calculator)."""

@@ -37,6 +37,7 @@ from ...errors import BlinkInternalError, BlinkTimeoutError, ConfigError
 from .. import metadata
 from ..dtypes import check_op, numpy_dtype
 from ..transport import Transport, WaitContext
+from . import native_replay
 from .work import MAX_ITEMS, MAX_RANKS, Work, make_work
 
 __all__ = ["ARGS_DTYPE", "MAX_BLOCKS", "THREADS", "TreeExecutor", "kernel_name", "kernel_source"]
@@ -142,6 +143,9 @@ class TreeExecutor:
         self.blocks = 1
         self._sharers = max(1, int(sharers))
         self._setup()
+        # A repeat's host path in one native call where the transport is shared memory (not threads).
+        self._native_path = native_replay.NativeReplay.create(transport, cuda)
+        self._native = self._native_path
 
     # -- setup ---------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -287,8 +291,26 @@ class TreeExecutor:
         g = mine.get("g")
         if g and g[2]:  # the handle went with the first use; a replay sends none (peers have the mapping)
             payload = metadata.encode(checked, {**mine, "g": [g[0], g[1], None, g[3]]})
-        self._replays[key] = _Replay(label, self.cuda.buffer_id(ptr), payload, self._decoded[0], args, argp,
-                                     grid, fn)
+        rec = self._replays[key] = _Replay(label, self.cuda.buffer_id(ptr), payload, self._decoded[0], args, argp,
+                                           grid, fn)
+        self._prepare_native(rec)
+
+    @property
+    def native_available(self) -> bool:
+        """Whether repeats can take the native host path (shared-memory transport, library built)."""
+        return self._native_path is not None
+
+    def use_native(self, on: bool) -> None:
+        """Repeats through the native call (the default where available) or through Python: for measuring
+        the two side by side (``benchmarks/gpu_latency_probe.py``).  Prepared repeats are dropped."""
+        self._native = self._native_path if on else None
+        self._replays.clear()
+
+    def _prepare_native(self, rec: _Replay) -> None:
+        """The native call of ``rec``'s repeats, expecting what the peers sent last (``rec.payloads``)."""
+        if self._native is not None:
+            rec.native = self._native.prepare(rec.payload, rec.payloads, self.cuda.function_address(rec.fn), rec.grid,
+                                              THREADS, ctypes.addressof(rec.argp), rec.args.ctypes.data)
 
     def replay(self, key: Any, ptr: int, stream: int | None) -> bool:
         """Launch again the collective last run with ``replay_key=key`` (same metadata, same tensor); False
@@ -302,13 +324,31 @@ class TreeExecutor:
         if self.cuda.buffer_id(ptr) != rec.bid:
             del self._replays[key]
             return False
-        ctx = WaitContext.start(rec.label, self.timeout, self.stall)
         try:
             if self._ctl_view[1]:
-                self._check_device_error(ctx)
+                self._check_device_error(WaitContext.start(rec.label, self.timeout, self.stall))
             t0 = time.perf_counter()
             self.seq += 1
-            payloads = self.t.exchange_meta(self.seq, rec.payload, ctx)
+            self.epoch += 1
+            sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
+            if rec.native is not None:
+                # Post, meet, compare and launch in one native call; what it hands back (a late peer, other
+                # bytes) goes on below with this rank's payload already posted.
+                code = self._native.run(rec.native, self.seq, sp, self.epoch)  # type: ignore[union-attr]
+                if code == native_replay.LAUNCHED:
+                    self._pending.add(sp)
+                    self.last_meta_seconds = time.perf_counter() - t0
+                    self.last_launch_seconds = 0.0
+                    return True
+                if code == native_replay.LAUNCH_FAILED:
+                    raise BlinkInternalError(f"{rec.label}: cuLaunchKernel failed with CUDA error "
+                                             f"{rec.native.cuda_error}")
+                # (the deadline counts from here: the native spin is a fraction of a millisecond)
+                ctx = WaitContext.start(rec.label, self.timeout, self.stall)
+                payloads = self.t.collect_meta(self.seq, rec.payload, ctx)
+            else:
+                ctx = WaitContext.start(rec.label, self.timeout, self.stall)
+                payloads = self.t.exchange_meta(self.seq, rec.payload, ctx)
             if payloads != rec.payloads:
                 # Checked fields are compared (a disagreement raises, naming ranks and fields); the same
                 # metadata with a peer's tensor elsewhere only moves that peer's pointer.
@@ -320,12 +360,11 @@ class TreeExecutor:
                         bufs[q] = self.registry.peer(q, serial, offset, bytes.fromhex(handle) if handle else None)
                         rec.args[0]["vec"] &= int(mis == 0)
                 rec.payloads = payloads
+                self._prepare_native(rec)
                 if _new_mappings(all_extras):
                     self._mapped(ctx)
             t1 = time.perf_counter()
-            self.epoch += 1
             rec.epoch.value = self.epoch  # args' first field, through ctypes: a tenth of numpy's field store
-            sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
             self.cuda.launch_kernel(rec.fn, rec.grid, THREADS, sp, ctypes.addressof(rec.argp))
             self._pending.add(sp)
             self.last_meta_seconds = t1 - t0
@@ -533,7 +572,7 @@ def _new_mappings(all_extras: Sequence[Mapping[str, Any]]) -> bool:
 class _Replay:
     """What :meth:`TreeExecutor.replay` needs to launch a collective again."""
 
-    __slots__ = ("argp", "args", "bid", "epoch", "fn", "grid", "label", "payload", "payloads")
+    __slots__ = ("argp", "args", "bid", "epoch", "fn", "grid", "label", "native", "payload", "payloads")
 
     def __init__(self, label: str, bid: int, payload: bytes, payloads: list[bytes], args: np.ndarray,
                  argp: Any, grid: int, fn: Any) -> None:
@@ -541,6 +580,7 @@ class _Replay:
         self.args, self.argp, self.grid, self.fn = args, argp, grid, fn
         assert ARGS_DTYPE.fields["epoch"][1] == 0
         self.epoch = ctypes.c_uint64.from_address(args.ctypes.data)
+        self.native: native_replay.PreparedCall | None = None  # TreeExecutor._prepare_native
 
 
 def mps_active(env: Mapping[str, str] | None = None) -> bool:
