@@ -202,9 +202,7 @@ class Cuda:
 
     def launch_address(self) -> int:
         """The address of the driver's ``cuLaunchKernel``, for native code that launches (``_replay.c``)."""
-        if self._libcuda is None:
-            self._libcuda = ctypes.CDLL("libcuda.so.1")
-        return int(ctypes.cast(self._libcuda.cuLaunchKernel, ctypes.c_void_p).value)
+        return int(ctypes.cast(ctypes.CDLL("libcuda.so.1").cuLaunchKernel, ctypes.c_void_p).value)
 
     def function_address(self, fn: Any) -> int:
         """The ``CUfunction`` of a RawModule function."""
