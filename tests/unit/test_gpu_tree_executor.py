@@ -147,6 +147,19 @@ class FakeCuda:
     _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_void_p)
 
+    _ATTRIBUTE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
+
+    def attribute_address(self) -> int:
+        """cuPointerGetAttribute's signature, answering the buffer id as buffer_id does."""
+
+        def attribute(data, attr, ptr) -> int:
+            assert attr == 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID
+            ctypes.c_uint64.from_address(data).value = self.buffer_id(ptr)
+            return 0
+
+        self._attribute = self._ATTRIBUTE(attribute)
+        return ctypes.cast(self._attribute, ctypes.c_void_p).value
+
     def function_address(self, fn) -> int:
         return 0x1000 + ["blink_trees_sum", "blink_trees_min", "blink_trees_max", "blink_trees_product"].index(fn)
 

@@ -7,6 +7,8 @@
  * of all.  Here the same protocol runs without the interpreter (and without the GIL: ctypes releases
  * it for the call):
  *
+ *   0. check: the tensor's allocation is still the one the launch was prepared for (the driver's
+ *      buffer id of its address; a new allocation at the same address goes back to Python unposted);
  *   1. post: this rank's payload into its metadata slot (seq & 1), then the slot's length word,
  *      then the sequence word, and a futex wake for any peer that sleeps on either word -- the same
  *      bytes and words, in the same order, as Transport.exchange_meta writes from Python;
@@ -52,8 +54,11 @@ typedef struct {
 /* CUresult cuLaunchKernel(CUfunction, grid xyz, block xyz, shared bytes, CUstream, void **params, void **extra) */
 typedef int (*blink_launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                void *, void **, void **);
+/* CUresult cuPointerGetAttribute(void *data, CUpointer_attribute, CUdeviceptr) */
+typedef int (*blink_attribute_fn)(void *, int, uint64_t);
+#define BLINK_BUFFER_ID 7 /* CU_POINTER_ATTRIBUTE_BUFFER_ID */
 
-enum { LAUNCHED = 0, NOT_MET = 1, DIFFERENT = 2, LAUNCH_FAILED = 3 };
+enum { LAUNCHED = 0, NOT_MET = 1, DIFFERENT = 2, LAUNCH_FAILED = 3, MOVED = 4 };
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -125,6 +130,8 @@ typedef struct {
     const uint8_t *expected;  /* every rank's payload as the prepared launch assumed: rank r's at offsets[r] */
     const uint32_t *offsets, *lens;
     blink_launch_fn launch;
+    blink_attribute_fn attribute; /* the allocation check (NULL: the caller checked) */
+    uint64_t ptr, bid;        /* the tensor's address and its allocation's buffer id */
     void *function;           /* CUfunction */
     void **params;            /* the kernel's void *[1] */
     uint64_t *epoch_slot;     /* the parameter block's epoch */
@@ -133,9 +140,14 @@ typedef struct {
     int32_t cuda_error, pad;
 } blink_replay_call;
 
-/* The whole repeat: returns LAUNCHED, NOT_MET (posted; some peer not there within spin_ns), DIFFERENT
- * (posted; every peer there, some with other bytes) or LAUNCH_FAILED (c->cuda_error: the CUresult). */
+/* The whole repeat: returns LAUNCHED, MOVED (nothing posted: the tensor's allocation is another one),
+ * NOT_MET (posted; some peer not there within spin_ns), DIFFERENT (posted; every peer there, some with
+ * other bytes) or LAUNCH_FAILED (c->cuda_error: the CUresult). */
 int blink_replay(blink_replay_call *c, uint32_t seq, void *stream, uint64_t epoch) {
+    if (c->attribute) {
+        uint64_t bid = 0;
+        if (c->attribute(&bid, BLINK_BUFFER_ID, c->ptr) != 0 || bid != c->bid) return MOVED;
+    }
     blink_post(c->peers, seq, c->payload, c->len);
     if (!blink_met(c->peers, seq, c->spin_ns, c->yield_every)) return NOT_MET;
     if (!blink_same(c->peers, seq, c->expected, c->offsets, c->lens)) return DIFFERENT;

@@ -204,6 +204,10 @@ class Cuda:
         """The address of the driver's ``cuLaunchKernel``, for native code that launches (``_replay.c``)."""
         return int(ctypes.cast(ctypes.CDLL("libcuda.so.1").cuLaunchKernel, ctypes.c_void_p).value)
 
+    def attribute_address(self) -> int:
+        """The address of the driver's ``cuPointerGetAttribute`` (``_replay.c`` checks a buffer id with it)."""
+        return int(ctypes.cast(ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute, ctypes.c_void_p).value)
+
     def function_address(self, fn: Any) -> int:
         """The ``CUfunction`` of a RawModule function."""
         return int(getattr(fn, "kernel", fn).ptr)

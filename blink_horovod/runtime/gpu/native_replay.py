@@ -2,15 +2,17 @@
 
 :meth:`TreeExecutor.replay <.tree_executor.TreeExecutor.replay>` prepares one :class:`Call` per repeated
 collective (its payload, what it expects of every peer, the kernel and its parameter block); each repeat
-is then one ctypes call, which releases the GIL, posts this rank's metadata exactly as
+is then one ctypes call, which releases the GIL, checks that the tensor's allocation is the prepared one,
+posts this rank's metadata exactly as
 :meth:`Transport.post_meta <blink_horovod.runtime.transport.Transport.post_meta>` does, spins briefly
 until every peer has posted, compares their bytes with the expected ones and launches the kernel.  What
 it cannot finish (a late peer, other bytes) it hands back with the payload posted, and the executor goes
 on in Python exactly as it would have (:meth:`Transport.collect_meta`: the waits that name dead, aborted
 and late peers; the field-by-field check that raises a mismatch or follows a peer's moved tensor).
 
-Only where the transport is shared memory (:meth:`Transport.native_layout`) and the device gives a
-launch entry point (``Cuda.launch_address``); elsewhere the executor stays in Python.
+Only where the transport is shared memory (:meth:`Transport.native_layout`) and the device gives the
+driver's entry points (``Cuda.launch_address``, ``Cuda.attribute_address``); elsewhere the executor stays
+in Python.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from typing import Any
 from ..transport import META_BYTES, Transport
 from .work import MAX_RANKS
 
-__all__ = ["DIFFERENT", "LAUNCHED", "LAUNCH_FAILED", "NOT_MET", "Call", "NativeReplay", "PreparedCall", "load"]
+__all__ = ["DIFFERENT", "LAUNCHED", "LAUNCH_FAILED", "MOVED", "NOT_MET", "Call", "NativeReplay", "PreparedCall", "load"]
 
 log = logging.getLogger("blink_horovod.runtime")
 
-LAUNCHED, NOT_MET, DIFFERENT, LAUNCH_FAILED = 0, 1, 2, 3
+LAUNCHED, NOT_MET, DIFFERENT, LAUNCH_FAILED, MOVED = 0, 1, 2, 3, 4
 
 # How long the native call spins for the peers' posts before Python's wait (which sleeps) takes over:
 # ranks in step post within microseconds of each other; a rank far behind is not worth a core.
@@ -49,6 +51,7 @@ class Call(ctypes.Structure):
 
     _fields_ = [("peers", ctypes.c_void_p), ("payload", ctypes.c_void_p), ("expected", ctypes.c_void_p),
                 ("offsets", ctypes.c_void_p), ("lens", ctypes.c_void_p), ("launch", ctypes.c_void_p),
+                ("attribute", ctypes.c_void_p), ("ptr", ctypes.c_uint64), ("bid", ctypes.c_uint64),
                 ("function", ctypes.c_void_p), ("params", ctypes.c_void_p), ("epoch_slot", ctypes.c_void_p),
                 ("spin_ns", ctypes.c_uint64), ("len", ctypes.c_uint32), ("yield_every", ctypes.c_uint32),
                 ("grid", ctypes.c_uint32), ("block", ctypes.c_uint32), ("cuda_error", ctypes.c_int32),
@@ -84,10 +87,11 @@ def load() -> Any:
 
 class NativeReplay:
     """One rank's native repeats over ``transport`` (see the module docstring); ``launch`` is the address
-    of ``cuLaunchKernel`` (or of a function with its signature)."""
+    of ``cuLaunchKernel`` and ``attribute`` that of ``cuPointerGetAttribute`` (or of functions with their
+    signatures)."""
 
-    def __init__(self, lib: Any, transport: Transport, launch: int) -> None:
-        self.lib, self.t, self.launch = lib, transport, launch
+    def __init__(self, lib: Any, transport: Transport, launch: int, attribute: int) -> None:
+        self.lib, self.t, self.launch, self.attribute = lib, transport, launch, attribute
         self.generation = -1
         self.peers = Peers()
         crowded = (os.cpu_count() or 1) <= transport.nranks
@@ -100,13 +104,13 @@ class NativeReplay:
         """A NativeReplay where the transport and the device allow one, else None."""
         if transport.native_layout() is None or transport.nranks > MAX_RANKS:
             return None
-        address = getattr(cuda, "launch_address", None)
-        if address is None:
+        launch, attribute = getattr(cuda, "launch_address", None), getattr(cuda, "attribute_address", None)
+        if launch is None or attribute is None:
             return None
         lib = load()
         if lib is None:
             return None
-        return cls(lib, transport, int(address()))
+        return cls(lib, transport, int(launch()), int(attribute()))
 
     def _refresh(self) -> bool:
         """Point at the transport's current segments; True if they moved since the last look."""
@@ -123,12 +127,14 @@ class NativeReplay:
         return True
 
     def prepare(self, payload: bytes, payloads: Sequence[bytes], function: int, grid: int, block: int,
-                params: int, epoch_slot: int) -> PreparedCall:
-        """A repeat of a collective whose payload is ``payload`` and whose peers sent ``payloads``."""
-        return PreparedCall(self, payload, payloads, function, grid, block, params, epoch_slot)
+                params: int, epoch_slot: int, ptr: int, bid: int) -> PreparedCall:
+        """A repeat of a collective whose payload is ``payload`` and whose peers sent ``payloads``, on the
+        tensor at ``ptr`` in the allocation whose buffer id is ``bid``."""
+        return PreparedCall(self, payload, payloads, function, grid, block, params, epoch_slot, ptr, bid)
 
     def run(self, call: PreparedCall, seq: int, stream: int, epoch: int) -> int:
-        """One repeat: LAUNCHED, NOT_MET, DIFFERENT or LAUNCH_FAILED (``call.cuda_error``)."""
+        """One repeat: LAUNCHED, MOVED (nothing posted), NOT_MET, DIFFERENT or LAUNCH_FAILED
+        (``call.cuda_error``)."""
         if self.t.generation != self.generation:
             self._refresh()
         return int(self.lib.blink_replay(call.ref, seq, stream, epoch))
@@ -140,7 +146,7 @@ class PreparedCall:
     __slots__ = ("_expected", "_lens", "_offsets", "_payload", "call", "ref")
 
     def __init__(self, native: NativeReplay, payload: bytes, payloads: Sequence[bytes], function: int, grid: int,
-                 block: int, params: int, epoch_slot: int) -> None:
+                 block: int, params: int, epoch_slot: int, ptr: int, bid: int) -> None:
         n = len(payloads)
         self._payload = ctypes.create_string_buffer(payload, max(1, len(payload)))
         blob = b"".join(payloads)
@@ -157,6 +163,7 @@ class PreparedCall:
         c.expected = ctypes.addressof(self._expected)
         c.offsets, c.lens = ctypes.addressof(self._offsets), ctypes.addressof(self._lens)
         c.launch, c.function, c.params, c.epoch_slot = native.launch, function, params, epoch_slot
+        c.attribute, c.ptr, c.bid = native.attribute, ptr, bid
         c.spin_ns, c.yield_every = native.spin_ns, native.yield_every
         c.len, c.grid, c.block = len(payload), grid, block
         self.ref = ctypes.addressof(c)

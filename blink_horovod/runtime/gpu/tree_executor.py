@@ -291,8 +291,8 @@ class TreeExecutor:
         g = mine.get("g")
         if g and g[2]:  # the handle went with the first use; a replay sends none (peers have the mapping)
             payload = metadata.encode(checked, {**mine, "g": [g[0], g[1], None, g[3]]})
-        rec = self._replays[key] = _Replay(label, self.cuda.buffer_id(ptr), payload, self._decoded[0], args, argp,
-                                           grid, fn)
+        rec = self._replays[key] = _Replay(label, ptr, self.cuda.buffer_id(ptr), payload, self._decoded[0], args,
+                                           argp, grid, fn)
         self._prepare_native(rec)
 
     @property
@@ -310,7 +310,8 @@ class TreeExecutor:
         """The native call of ``rec``'s repeats, expecting what the peers sent last (``rec.payloads``)."""
         if self._native is not None:
             rec.native = self._native.prepare(rec.payload, rec.payloads, self.cuda.function_address(rec.fn), rec.grid,
-                                              THREADS, ctypes.addressof(rec.argp), rec.args.ctypes.data)
+                                              THREADS, ctypes.addressof(rec.argp), rec.args.ctypes.data, rec.ptr,
+                                              rec.bid)
 
     def replay(self, key: Any, ptr: int, stream: int | None) -> bool:
         """Launch again the collective last run with ``replay_key=key`` (same metadata, same tensor); False
@@ -321,32 +322,37 @@ class TreeExecutor:
         rec = self._replays.get(key)
         if rec is None or self.failed is not None or self._closed or threading.get_ident() != self._device_thread:
             return False
-        if self.cuda.buffer_id(ptr) != rec.bid:
+        native = rec.native
+        if native is None and self.cuda.buffer_id(ptr) != rec.bid:  # (the native call checks it itself)
             del self._replays[key]
             return False
         try:
             if self._ctl_view[1]:
                 self._check_device_error(WaitContext.start(rec.label, self.timeout, self.stall))
             t0 = time.perf_counter()
-            self.seq += 1
-            self.epoch += 1
             sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
-            if rec.native is not None:
-                # Post, meet, compare and launch in one native call; what it hands back (a late peer, other
-                # bytes) goes on below with this rank's payload already posted.
-                code = self._native.run(rec.native, self.seq, sp, self.epoch)  # type: ignore[union-attr]
+            if native is not None:
+                # Check, post, meet, compare and launch in one native call; what it hands back (a late peer,
+                # other bytes) goes on below with this rank's payload already posted.
+                code = self._native.run(native, self.seq + 1, sp, self.epoch + 1)  # type: ignore[union-attr]
+                if code == native_replay.MOVED:  # nothing posted: the caller takes collective()
+                    del self._replays[key]
+                    return False
+                self.seq += 1
+                self.epoch += 1
                 if code == native_replay.LAUNCHED:
                     self._pending.add(sp)
                     self.last_meta_seconds = time.perf_counter() - t0
                     self.last_launch_seconds = 0.0
                     return True
                 if code == native_replay.LAUNCH_FAILED:
-                    raise BlinkInternalError(f"{rec.label}: cuLaunchKernel failed with CUDA error "
-                                             f"{rec.native.cuda_error}")
+                    raise BlinkInternalError(f"{rec.label}: cuLaunchKernel failed with CUDA error {native.cuda_error}")
                 # (the deadline counts from here: the native spin is a fraction of a millisecond)
                 ctx = WaitContext.start(rec.label, self.timeout, self.stall)
                 payloads = self.t.collect_meta(self.seq, rec.payload, ctx)
             else:
+                self.seq += 1
+                self.epoch += 1
                 ctx = WaitContext.start(rec.label, self.timeout, self.stall)
                 payloads = self.t.exchange_meta(self.seq, rec.payload, ctx)
             if payloads != rec.payloads:
@@ -572,11 +578,11 @@ def _new_mappings(all_extras: Sequence[Mapping[str, Any]]) -> bool:
 class _Replay:
     """What :meth:`TreeExecutor.replay` needs to launch a collective again."""
 
-    __slots__ = ("argp", "args", "bid", "epoch", "fn", "grid", "label", "native", "payload", "payloads")
+    __slots__ = ("argp", "args", "bid", "epoch", "fn", "grid", "label", "native", "payload", "payloads", "ptr")
 
-    def __init__(self, label: str, bid: int, payload: bytes, payloads: list[bytes], args: np.ndarray,
+    def __init__(self, label: str, ptr: int, bid: int, payload: bytes, payloads: list[bytes], args: np.ndarray,
                  argp: Any, grid: int, fn: Any) -> None:
-        self.label, self.bid, self.payload, self.payloads = label, bid, payload, payloads
+        self.label, self.ptr, self.bid, self.payload, self.payloads = label, ptr, bid, payload, payloads
         self.args, self.argp, self.grid, self.fn = args, argp, grid, fn
         assert ARGS_DTYPE.fields["epoch"][1] == 0
         self.epoch = ctypes.c_uint64.from_address(args.ctypes.data)
