@@ -447,9 +447,9 @@ class ShmTransport(Transport):
         finally:
             own.words[W_SLEEP] = 0
 
-    def native_layout(self) -> tuple[int, list[int], list[int]] | None:
+    def native_layout(self) -> tuple[list[int], list[int]] | None:
         segs = self._segs
-        return self.generation, [seg.base for seg in segs], [seg.base + seg.layout["meta0"] for seg in segs]
+        return [seg.base for seg in segs], [seg.base + seg.layout["meta0"] for seg in segs]
 
     @property
     def generation(self) -> int:  # type: ignore[override]

@@ -287,11 +287,11 @@ class Transport(ABC):
                 out.append(self.read_region(r, f"meta{slot}", self.load(r, W_META_LEN + slot)))
         return out
 
-    def native_layout(self) -> tuple[int, list[int], list[int]] | None:
+    def native_layout(self) -> tuple[list[int], list[int]] | None:
         """Where native code finds every rank's control words and metadata slot 0, as mapped in this
-        process: ``(generation, words, meta)`` (addresses; slot 1 follows slot 0 at ``META_BYTES``), or
-        None where the transport has no such memory (threads over the loopback).  The addresses hold
-        until the generation changes (:meth:`reserve` may map new segments)."""
+        process: ``(words, meta)`` (addresses; slot 1 follows slot 0 at ``META_BYTES``), or None where the
+        transport has no such memory (threads over the loopback).  The addresses hold until
+        :attr:`generation` changes (:meth:`reserve` may map new segments)."""
         return None
 
     def abort(self, exc: BaseException) -> None:

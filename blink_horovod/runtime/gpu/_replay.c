@@ -76,7 +76,7 @@ static void wake(uint32_t *word) {
 
 /* Post this rank's payload of collective seq (transport.py: write_region, store(W_META_LEN + slot),
  * store(W_META_SEQ)); wake a peer that says it sleeps on one of the two words. */
-void blink_post(const blink_peers *p, uint32_t seq, const uint8_t *payload, uint32_t len) {
+static void blink_post(const blink_peers *p, uint32_t seq, const uint8_t *payload, uint32_t len) {
     uint32_t slot = seq & 1u, *own = p->words[p->rank];
     memcpy(p->meta[p->rank] + (uint64_t)slot * p->meta_bytes, payload, len);
     __atomic_store_n(&own[W_META_LEN + slot], len, __ATOMIC_RELEASE);
@@ -97,7 +97,7 @@ void blink_post(const blink_peers *p, uint32_t seq, const uint8_t *payload, uint
 
 /* Whether every peer has posted collective seq, waiting up to spin_ns (yielding the CPU every
  * yield_every loads where ranks may outnumber cores; 0: never). */
-int blink_met(const blink_peers *p, uint32_t seq, uint64_t spin_ns, uint32_t yield_every) {
+static int blink_met(const blink_peers *p, uint32_t seq, uint64_t spin_ns, uint32_t yield_every) {
     uint64_t end = now_ns() + spin_ns;
     for (uint32_t i = 1;; i++) {
         int all = 1;
@@ -111,7 +111,7 @@ int blink_met(const blink_peers *p, uint32_t seq, uint64_t spin_ns, uint32_t yie
 
 /* Whether every peer's posted payload of collective seq equals the expected one (expected bytes of
  * rank r at expected + offsets[r], lens[r] long; this rank's own entry is not compared). */
-int blink_same(const blink_peers *p, uint32_t seq, const uint8_t *expected, const uint32_t *offsets,
+static int blink_same(const blink_peers *p, uint32_t seq, const uint8_t *expected, const uint32_t *offsets,
                const uint32_t *lens) {
     uint32_t slot = seq & 1u;
     for (int r = 0; r < p->nranks; r++) {
@@ -130,7 +130,7 @@ typedef struct {
     const uint8_t *expected;  /* every rank's payload as the prepared launch assumed: rank r's at offsets[r] */
     const uint32_t *offsets, *lens;
     blink_launch_fn launch;
-    blink_attribute_fn attribute; /* the allocation check (NULL: the caller checked) */
+    blink_attribute_fn attribute; /* the allocation check */
     uint64_t ptr, bid;        /* the tensor's address and its allocation's buffer id */
     void *function;           /* CUfunction */
     void **params;            /* the kernel's void *[1] */
@@ -144,10 +144,8 @@ typedef struct {
  * NOT_MET (posted; some peer not there within spin_ns), DIFFERENT (posted; every peer there, some with
  * other bytes) or LAUNCH_FAILED (c->cuda_error: the CUresult). */
 int blink_replay(blink_replay_call *c, uint32_t seq, void *stream, uint64_t epoch) {
-    if (c->attribute) {
-        uint64_t bid = 0;
-        if (c->attribute(&bid, BLINK_BUFFER_ID, c->ptr) != 0 || bid != c->bid) return MOVED;
-    }
+    uint64_t bid = 0;
+    if (c->attribute(&bid, BLINK_BUFFER_ID, c->ptr) != 0 || bid != c->bid) return MOVED;
     blink_post(c->peers, seq, c->payload, c->len);
     if (!blink_met(c->peers, seq, c->spin_ns, c->yield_every)) return NOT_MET;
     if (!blink_same(c->peers, seq, c->expected, c->offsets, c->lens)) return DIFFERENT;

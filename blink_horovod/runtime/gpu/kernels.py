@@ -132,15 +132,15 @@ def _pair_source(split: str, pack: str, scalar: str) -> list[str]:
     return [
         "#define BLINK_PAIRS 1",
         f"BLINK_HD void blink_to_acc2(blink_u32 w, float* lo, float* hi) {{ {split} }}",
-        "BLINK_HD blink_u32 blink_from_acc2(float lo, float hi) {\n"
-        "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800\n"
-        "    blink_u32 w;\n"
-        f'    asm("{pack} %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));\n'
-        "    return w;\n"
-        "#else\n"
-        f"    return ((blink_u32){scalar}(hi) << 16) | (blink_u32){scalar}(lo);\n"
-        "#endif\n"
-        "}",
+        ("BLINK_HD blink_u32 blink_from_acc2(float lo, float hi) {\n"
+         "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800\n"
+         "    blink_u32 w;\n"
+         f'    asm("{pack} %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));\n'
+         "    return w;\n"
+         "#else\n"
+         f"    return ((blink_u32){scalar}(hi) << 16) | (blink_u32){scalar}(lo);\n"
+         "#endif\n"
+         "}"),
     ]
 
 
@@ -176,7 +176,7 @@ def acc_source(dtype: str) -> str:
     if family == "float":
         lines += [
             f"typedef {comp} blink_acc_t;",
-            *(_PAIRS[dtype] if dtype in _PAIRS else []),
+            *_PAIRS.get(dtype, []),
             f"BLINK_HD blink_acc_t blink_to_acc(blink_t x) {{ return {to + '(x)' if to else 'x'}; }}",
             f"BLINK_HD blink_t blink_from_acc(blink_acc_t x) {{ return {frm + '(x)' if frm else 'x'}; }}",
             "BLINK_HD blink_acc_t blink_acc_sum(blink_acc_t x, blink_acc_t y) { return x + y; }",

@@ -77,10 +77,6 @@ def load() -> Any:
             return None
         lib.blink_replay.restype = ctypes.c_int
         lib.blink_replay.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint64]
-        lib.blink_post.restype = None
-        lib.blink_post.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_uint32]
-        lib.blink_met.restype = ctypes.c_int
-        lib.blink_met.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint32]
         _LIB = lib
     return _LIB
 
@@ -112,19 +108,16 @@ class NativeReplay:
             return None
         return cls(lib, transport, int(launch()), int(attribute()))
 
-    def _refresh(self) -> bool:
-        """Point at the transport's current segments; True if they moved since the last look."""
+    def _refresh(self) -> None:
+        """Point at the transport's current segments (every prepared call reads them through ``peers``)."""
         layout = self.t.native_layout()
         assert layout is not None
-        generation, words, meta = layout
-        if generation == self.generation:
-            return False
+        words, meta = layout
         p = self.peers
         p.rank, p.nranks, p.meta_bytes = self.t.rank, self.t.nranks, META_BYTES
         for r in range(self.t.nranks):
             p.words[r], p.meta[r] = words[r], meta[r]
-        self.generation = generation
-        return True
+        self.generation = self.t.generation
 
     def prepare(self, payload: bytes, payloads: Sequence[bytes], function: int, grid: int, block: int,
                 params: int, epoch_slot: int, ptr: int, bid: int) -> PreparedCall:

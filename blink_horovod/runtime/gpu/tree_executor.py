@@ -316,8 +316,8 @@ class TreeExecutor:
     def replay(self, key: Any, ptr: int, stream: int | None) -> bool:
         """Launch again the collective last run with ``replay_key=key`` (same metadata, same tensor); False
         when nothing is kept for it (or this tensor's allocation changed), and the caller then takes
-        :meth:`collective`.  The host path of a training step's repeated buckets: one buffer identity check,
-        the metadata exchange (a peer that sends other bytes is checked as in :meth:`collective`), one
+        :meth:`collective`.  The host path of a training step's repeated buckets (one native call where
+        :mod:`.native_replay` is available): one buffer identity check, the metadata exchange (a peer that sends other bytes is checked as in :meth:`collective`), one
         launch."""
         rec = self._replays.get(key)
         if rec is None or self.failed is not None or self._closed or threading.get_ident() != self._device_thread:
@@ -331,30 +331,26 @@ class TreeExecutor:
                 self._check_device_error(WaitContext.start(rec.label, self.timeout, self.stall))
             t0 = time.perf_counter()
             sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
-            if native is not None:
-                # Check, post, meet, compare and launch in one native call; what it hands back (a late peer,
-                # other bytes) goes on below with this rank's payload already posted.
-                code = self._native.run(native, self.seq + 1, sp, self.epoch + 1)  # type: ignore[union-attr]
-                if code == native_replay.MOVED:  # nothing posted: the caller takes collective()
-                    del self._replays[key]
-                    return False
-                self.seq += 1
-                self.epoch += 1
-                if code == native_replay.LAUNCHED:
-                    self._pending.add(sp)
-                    self.last_meta_seconds = time.perf_counter() - t0
-                    self.last_launch_seconds = 0.0
-                    return True
-                if code == native_replay.LAUNCH_FAILED:
-                    raise BlinkInternalError(f"{rec.label}: cuLaunchKernel failed with CUDA error {native.cuda_error}")
-                # (the deadline counts from here: the native spin is a fraction of a millisecond)
-                ctx = WaitContext.start(rec.label, self.timeout, self.stall)
-                payloads = self.t.collect_meta(self.seq, rec.payload, ctx)
-            else:
-                self.seq += 1
-                self.epoch += 1
-                ctx = WaitContext.start(rec.label, self.timeout, self.stall)
-                payloads = self.t.exchange_meta(self.seq, rec.payload, ctx)
+            # Check, post, meet, compare and launch in one native call; what it hands back (a late peer, other
+            # bytes) goes on below with this rank's payload already posted.
+            code = None if native is None else self._native.run(  # type: ignore[union-attr]
+                native, self.seq + 1, sp, self.epoch + 1)
+            if code == native_replay.MOVED:  # nothing posted: the caller takes collective()
+                del self._replays[key]
+                return False
+            self.seq += 1
+            self.epoch += 1
+            if code == native_replay.LAUNCHED:
+                self._pending.add(sp)
+                self.last_meta_seconds = time.perf_counter() - t0
+                self.last_launch_seconds = 0.0
+                return True
+            if code == native_replay.LAUNCH_FAILED:
+                raise BlinkInternalError(f"{rec.label}: cuLaunchKernel failed with CUDA error {native.cuda_error}")
+            # (after a native call the deadline counts from here: its spin is a fraction of a millisecond)
+            ctx = WaitContext.start(rec.label, self.timeout, self.stall)
+            payloads = (self.t.exchange_meta(self.seq, rec.payload, ctx) if code is None
+                        else self.t.collect_meta(self.seq, rec.payload, ctx))
             if payloads != rec.payloads:
                 # Checked fields are compared (a disagreement raises, naming ranks and fields); the same
                 # metadata with a peer's tensor elsewhere only moves that peer's pointer.
