@@ -1,6 +1,6 @@
 """Where the time of a small GPU allreduce goes: per call, host time of the metadata exchange and of the
-launch; per op in a back-to-back loop; and the device's own time of one collective (events around it,
-host synchronised before).  Both host paths of a repeat side by side: the native call
+launch; per op in a back-to-back loop; the device's own time of one collective (events around it,
+host synchronised before); and the native call's phases (allocation check, post, wait, launch).  Both host paths of a repeat side by side: the native call
 (``runtime/gpu/_replay.c``) and Python's.  Run under mpirun with BLINK_TOPOLOGY set:
 
     BLINK_TOPOLOGY=hgx-h200:0,1 mpirun -np 2 python benchmarks/gpu_latency_probe.py
@@ -37,7 +37,7 @@ def main() -> None:
             for _ in range(20):
                 comm.allreduce(x)
             comm.synchronize()
-            host, meta, launch = [], [], []
+            host, meta, launch, phases = [], [], [], []
             world.Barrier()
             t0 = time.perf_counter()
             for _ in range(200):
@@ -46,6 +46,8 @@ def main() -> None:
                 host.append(time.perf_counter() - a)
                 meta.append(ex.last_meta_seconds)
                 launch.append(ex.last_launch_seconds)
+                c = ex.last_native  # the native call's own phases (ns); None after a Python repeat
+                phases.append((c.ns_check, c.ns_post, c.ns_met, c.ns_launch) if c is not None else (0, 0, 0, 0))
             comm.synchronize()
             loop = (time.perf_counter() - t0) / 200
             dev = []
@@ -60,15 +62,17 @@ def main() -> None:
                 dev.append(s.elapsed_time(e) / 1e3)
             med = lambda v: statistics.median(v) * 1e6
             out[mode, nbytes] = (loop * 1e6, med(host), med(meta), med(launch), med(dev),
-                                 np.percentile(host, 90) * 1e6)
+                                 np.percentile(host, 90) * 1e6,
+                                 *(statistics.median(p[i] for p in phases) / 1e3 for i in range(4)))
     rows = world.gather(out)
     if rank == 0:
         for mode in modes:
             for nbytes in (8, 1 << 20):
                 print(f"{size} ranks, {nbytes} B, {mode}: per op in a loop / host per call / metadata / launch / "
-                      f"device (events) / host p90, us, per rank (native: metadata is the whole call):")
+                      f"device (events) / host p90 / native call's allocation check / post / wait for the peers "
+                      f"and compare / launch, us, per rank (native: metadata is the whole native call):")
                 for r, o in enumerate(rows):
-                    print("  rank %d: %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f" % ((r,) + o[mode, nbytes]))
+                    print("  rank %d:" % r + " %7.1f" * len(o[mode, nbytes]) % o[mode, nbytes])
     comm.close()
     rdv.close()
 

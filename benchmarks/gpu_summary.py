@@ -20,6 +20,14 @@ def _json(path: str):
         return json.load(fh)
 
 
+def _probe_row(head: tuple[str, str], rows: list[list[float]]) -> str:
+    """One probe table row: the loop's and the host call's time, and the native call's phases where the
+    probe printed them (columns 7 to 10; zero on the Python path)."""
+    top = lambda i: max(r[i] for r in rows)
+    phases = " / ".join(f"{top(i):.1f}" for i in range(6, 10)) if all(len(r) >= 10 for r in rows) and top(9) else "-"
+    return f"| {head[0]} | {head[1]} | {top(0):.1f} | {top(1):.1f} | {phases} |"
+
+
 def _lines(path: str) -> list[str]:
     with open(path, encoding="utf-8", errors="replace") as fh:
         return fh.readlines()
@@ -58,21 +66,22 @@ def main(out: str) -> int:
                   f"{f'{two:.0f}' if two else '-'} | {lat} | {wrong} |")
     probes = sorted(glob.glob(os.path.join(out, "probe*.log")))
     if probes:
-        print("\n| probe | size, host path | per op in a loop (us, max over ranks) | host per call (us, max) |")
-        print("| --- | --- | --- | --- |")
+        print("\n| probe | size, host path | per op in a loop (us, max over ranks) | host per call (us, max) | "
+              "native check / post / wait / launch (us, max) |")
+        print("| --- | --- | --- | --- | --- |")
         for path in probes:
             head = None
             rows: list[list[float]] = []
             for line in _lines(path):
                 if "per rank" in line and line.strip().endswith(":"):
                     if head and rows:
-                        print(f"| {head[0]} | {head[1]} | {max(r[0] for r in rows):.1f} | {max(r[1] for r in rows):.1f} |")
+                        print(_probe_row(head, rows))
                     parts = line.split(":")[0].split(",")  # "2 ranks, 8 B[, native]"
                     head, rows = (parts[0].strip(), ", ".join(p.strip() for p in parts[1:])), []
                 elif line.strip().startswith("rank ") and head:
                     rows.append([float(v) for v in line.split(":")[1].split()])
             if head and rows:
-                print(f"| {head[0]} | {head[1]} | {max(r[0] for r in rows):.1f} | {max(r[1] for r in rows):.1f} |")
+                print(_probe_row(head, rows))
     tests = os.path.join(out, "tests.log")
     if os.path.exists(tests):
         lines = [ln.strip() for ln in _lines(tests) if ln.strip()]

@@ -372,6 +372,13 @@ class Communicator:
         if ex.last_setup_free and ex.last_run_seconds > 0:  # type: ignore[union-attr]
             self._last_rate[bucket] = nbytes / ex.last_run_seconds  # type: ignore[union-attr]
 
+    def _cuda(self, collective: str, name: str | None, arr: Any, op: str | None, root: int | None) -> Any:
+        """allreduce or broadcast of a CUDA array (:meth:`_run_cuda`); returns ``arr``."""
+        flat = _DeviceFlat.of(arr, collective)
+        if self._executor is not None and flat.size:
+            self._run_cuda(collective, name, arr, flat, flat.dtype_name, op, root)
+        return arr
+
     def _run_cuda(self, collective: str, name: str | None, arr: Any, flat: _DeviceFlat, dtype: str,
                   op: str | None, root: int | None) -> None:
         """One collective on a CUDA tensor: the tree kernel (:mod:`.gpu.tree_executor`) runs the plan's trees
@@ -408,6 +415,8 @@ class Communicator:
     def allreduce(self, arr: np.ndarray, op: str = "sum", name: str | None = None) -> np.ndarray:
         """Reduce ``arr`` over the server's ranks, in place; returns ``arr``."""
         op = check_op(op)
+        if self.device == "cuda":  # (the host path of every CUDA collective: no Piece settings to build)
+            return self._cuda("allreduce", name, arr, op, None)
         # The executor divides an average where each sum is final (runtime.steps).
         return self._direct("allreduce", name, arr, op, None, average=self.local_size if op == "average" else 0)
 
@@ -416,6 +425,8 @@ class Communicator:
         if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= int(root) < self.local_size:
             raise ConfigError(f"root: expected a local rank in 0..{self.local_size - 1}, got {root!r}")
         root = int(root)
+        if self.device == "cuda":
+            return self._cuda("broadcast", name, arr, None, root)
         me = self.local_rank
         return self._direct("broadcast", name, arr, None, root, has_input=me == root, wants_output=me != root)
 
@@ -425,9 +436,6 @@ class Communicator:
         map a contiguous part of the array (``fields``: the pieces' :class:`Piece` settings)."""
         flat, dtype = self._flat(arr, collective)
         if self._executor is None or flat.size == 0:
-            return arr
-        if self.device == "cuda":
-            self._run_cuda(collective, name, arr, flat, dtype, op, root)
             return arr
         with self._lock:
             if flat.nbytes <= self.eager_bytes:
@@ -561,7 +569,10 @@ class _DeviceFlat:
 
     def __init__(self, ptr: int, size: int, dtype: np.dtype | None, name: str, stream: int | None = None) -> None:
         self.ptr, self.size, self.dtype, self.dtype_name, self.stream = ptr, size, dtype, name, stream
-        self.nbytes = size * numpy_dtype(name).itemsize
+        itemsize = _ITEMSIZE.get(name)
+        if itemsize is None:  # (this runs on every CUDA collective: numpy_dtype once per dtype)
+            itemsize = _ITEMSIZE[name] = numpy_dtype(name).itemsize
+        self.nbytes = size * itemsize
 
     def data_ptr(self) -> int:
         return self.ptr
@@ -604,6 +615,7 @@ _TORCH_NAMES = {"float32": "float32", "float64": "float64", "float16": "float16"
                 "int32": "int32", "int64": "int64", "int8": "int8", "uint8": "uint8", "int16": "int16"}
 
 
+_ITEMSIZE: dict[str, int] = {}  # Blink's dtype name -> bytes per element
 _CAI_SEEN: dict[str, tuple[np.dtype, str]] = {}  # __cuda_array_interface__ typestr -> dtype, Blink's name
 _TORCH_SEEN: dict[Any, str] = {}  # torch dtype -> Blink's name (this runs on every collective)
 
@@ -626,9 +638,13 @@ def _torch_dtype_name(arr: Any) -> str | None:
 def _torch_stream(device: int) -> int:
     """The raw ``cudaStream_t`` torch's current stream of ``device`` (torch's own accessor where it has one:
     no Stream object per call)."""
-    import torch
+    global _RAW_STREAM
+    if _RAW_STREAM is None:
+        import torch
 
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(device))
-    return int(torch.cuda.current_stream(device).cuda_stream)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _RAW_STREAM = raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return int(_RAW_STREAM(device))
+
+
+_RAW_STREAM: Any = None  # the current raw stream of a device, found once

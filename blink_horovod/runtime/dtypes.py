@@ -55,6 +55,7 @@ HAVE_ML_DTYPES = _BFLOAT16 is not None
 # Canonical names, in the order `blink perf --dtype all` runs them.
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "int16")
 OPS = ("sum", "average", "min", "max", "product")
+_OPS_EXACT = frozenset(OPS)
 
 # nccl-tests spells types its own way (src/common.cu: test_typenames).
 NCCL_NAMES = {
@@ -121,6 +122,8 @@ def dtype_name(dtype: np.dtype | type) -> str:
 
 
 def check_op(op: str) -> str:
+    if op in _OPS_EXACT:  # (every collective checks its op: the common spellings skip the normalising)
+        return op
     key = str(op).strip().lower()
     if key == "avg":
         key = "average"

@@ -189,17 +189,22 @@ def scenario(name: str, rank: int, n: int, comm: Communicator, args: list[str]) 
             for _ in range(5):
                 comm.allreduce(x, name=f"h{elems}")
             comm.synchronize()
-            total, meta, launch = [], [], []
+            total, meta, launch, phases = [], [], [], []
             for _ in range(reps):
                 t0 = time.perf_counter()
                 comm.allreduce(x, name=f"h{elems}")
                 total.append(time.perf_counter() - t0)
                 meta.append(ex.last_meta_seconds)
                 launch.append(ex.last_launch_seconds)
+                c = ex.last_native  # the native call's phases (ns): allocation check, post, wait, launch
+                if c is not None:
+                    phases.append((c.ns_check, c.ns_post, c.ns_met, c.ns_launch))
             comm.synchronize()
             items = max((int(r.nitems) for r in [w for w, _, _ in ex._tables.values()]), default=0)
             res.append({"elements": elems * n, "items": items, "total_us": 1e6 * float(np.median(total)),
-                        "meta_us": 1e6 * float(np.median(meta)), "launch_us": 1e6 * float(np.median(launch))})
+                        "meta_us": 1e6 * float(np.median(meta)), "launch_us": 1e6 * float(np.median(launch)),
+                        "native_us": [float(np.median([p[i] for p in phases])) / 1e3 for i in range(4)] if phases
+                        else None})
         out["hosttime"] = res
         return out
     if name == "mismatch":

@@ -316,15 +316,20 @@ def test_a_repeat_is_replayed_and_one_handle_is_taken_per_allocation(world: str)
         for _ in range(5):
             comm.allreduce(x, name="x")
         comm.allreduce(y, name="y")
+        comm.allreduce(x, name="x")  # a repeat again: native over shared memory
+        last = comm._executor.last_native  # that call's phases, as the latency probe reads them
+        phases = None if last is None else (last.ns_check, last.ns_post, last.ns_met, last.ns_launch)
         epochs = [int(lw[0][0]["epoch"]) for lw in cuda.launches]
         return (epochs, len(cuda.handles_taken), len(cuda.opened), len(comm._executor._replays),
-                getattr(cuda, "native_launches", 0))
+                getattr(cuda, "native_launches", 0), phases)
 
-    for epochs, taken, opened, replays, native in run(n, body, world=world):
-        assert epochs == list(range(1, 7))
+    for epochs, taken, opened, replays, native, phases in run(n, body, world=world):
+        assert epochs == list(range(1, 8))
         # Over shared memory, repeats launch from native code once every peer's repeat payload is known
-        # (the second call's peers still sent their handles): calls 3 to 5.
-        assert native == (3 if world == "shm" else 0)
+        # (the second call's peers still sent their handles): calls 3 to 5 and 7.
+        assert native == (4 if world == "shm" else 0)
+        # The native call times its phases (the launch here is the recorder's Python: never 0 ns).
+        assert (phases is not None and phases[3] > 0 and min(phases) >= 0) if world == "shm" else phases is None
         assert taken == 2  # the flag segment, then one tensor allocation
         assert opened == 2  # the peer's flag segment, then its allocation (once, though two tensors)
         assert replays == 2

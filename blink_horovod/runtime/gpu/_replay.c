@@ -138,19 +138,33 @@ typedef struct {
     uint64_t spin_ns;
     uint32_t len, yield_every, grid, block;
     int32_t cuda_error, pad;
+    /* The last call's phases in ns (its profile, read by benchmarks/gpu_latency_probe.py): the allocation
+     * check, the post, the wait for the peers' posts and the comparison, the launch. */
+    uint64_t ns_check, ns_post, ns_met, ns_launch;
 } blink_replay_call;
 
 /* The whole repeat: returns LAUNCHED, MOVED (nothing posted: the tensor's allocation is another one),
  * NOT_MET (posted; some peer not there within spin_ns), DIFFERENT (posted; every peer there, some with
  * other bytes) or LAUNCH_FAILED (c->cuda_error: the CUresult). */
 int blink_replay(blink_replay_call *c, uint32_t seq, void *stream, uint64_t epoch) {
-    uint64_t bid = 0;
-    if (c->attribute(&bid, BLINK_BUFFER_ID, c->ptr) != 0 || bid != c->bid) return MOVED;
+    uint64_t bid = 0, t0 = now_ns(), t1, t2, t3;
+    c->ns_post = c->ns_met = c->ns_launch = 0;
+    int moved = c->attribute(&bid, BLINK_BUFFER_ID, c->ptr) != 0 || bid != c->bid;
+    t1 = now_ns();
+    c->ns_check = t1 - t0;
+    if (moved) return MOVED;
     blink_post(c->peers, seq, c->payload, c->len);
-    if (!blink_met(c->peers, seq, c->spin_ns, c->yield_every)) return NOT_MET;
-    if (!blink_same(c->peers, seq, c->expected, c->offsets, c->lens)) return DIFFERENT;
+    t2 = now_ns();
+    c->ns_post = t2 - t1;
+    int met = blink_met(c->peers, seq, c->spin_ns, c->yield_every);
+    int same = met && blink_same(c->peers, seq, c->expected, c->offsets, c->lens);
+    t3 = now_ns();
+    c->ns_met = t3 - t2;
+    if (!met) return NOT_MET;
+    if (!same) return DIFFERENT;
     *c->epoch_slot = epoch;
     int err = c->launch(c->function, c->grid, 1, 1, c->block, 1, 1, 0, stream, c->params, NULL);
+    c->ns_launch = now_ns() - t3;
     if (err) {
         c->cuda_error = err;
         return LAUNCH_FAILED;

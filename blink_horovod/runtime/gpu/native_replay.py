@@ -55,7 +55,8 @@ class Call(ctypes.Structure):
                 ("function", ctypes.c_void_p), ("params", ctypes.c_void_p), ("epoch_slot", ctypes.c_void_p),
                 ("spin_ns", ctypes.c_uint64), ("len", ctypes.c_uint32), ("yield_every", ctypes.c_uint32),
                 ("grid", ctypes.c_uint32), ("block", ctypes.c_uint32), ("cuda_error", ctypes.c_int32),
-                ("pad", ctypes.c_int32)]
+                ("pad", ctypes.c_int32), ("ns_check", ctypes.c_uint64), ("ns_post", ctypes.c_uint64),
+                ("ns_met", ctypes.c_uint64), ("ns_launch", ctypes.c_uint64)]
 
 
 _LIB: Any = None

@@ -116,6 +116,8 @@ class TreeExecutor:
         self.failed: BaseException | None = None
         self._closed = False
         self.last_meta_seconds = self.last_launch_seconds = 0.0
+        # The last native repeat's Call (its ns_* fields: that call's phases), None after a Python one.
+        self.last_native: Any = None
         self._device_thread = 0
         self._spin_s = _SPIN_S if (os.cpu_count() or 1) > self.nranks else 0.0
         self._modules: dict[str, Any] = {}
@@ -344,6 +346,7 @@ class TreeExecutor:
                 self._pending.add(sp)
                 self.last_meta_seconds = time.perf_counter() - t0
                 self.last_launch_seconds = 0.0
+                self.last_native = native.call
                 return True
             if code == native_replay.LAUNCH_FAILED:
                 raise BlinkInternalError(f"{rec.label}: cuLaunchKernel failed with CUDA error {native.cuda_error}")
@@ -371,6 +374,7 @@ class TreeExecutor:
             self._pending.add(sp)
             self.last_meta_seconds = t1 - t0
             self.last_launch_seconds = time.perf_counter() - t1
+            self.last_native = None
             return True
         except BaseException as exc:
             self.fail(exc)
