@@ -172,7 +172,10 @@ def acc_source(dtype: str) -> str:
     # float64's sum and product and in min/max of 8- and 16-bit integers
     # (tests/unit/test_gpu_kernels.py compiles every kernel where the NVRTC and ptxas wheels are installed).
     unroll = {"int16": 2, "int8": 1, "uint8": 1}.get(dtype, 4)
-    lines = [_PRELUDE, f"typedef {store} blink_t;", f"#define BLINK_UNROLL {unroll}"]
+    # Sources whose loads are all issued before the first unpack (trees.cu): two, except where the
+    # second source's registers would make ptxas spill (the 8- and 16-bit integers: they keep one).
+    first = 1 if dtype in ("int16", "int8", "uint8") else 2
+    lines = [_PRELUDE, f"typedef {store} blink_t;", f"#define BLINK_UNROLL {unroll}", f"#define BLINK_FIRST_LOADS {first}"]
     if family == "float":
         lines += [
             f"typedef {comp} blink_acc_t;",

@@ -172,15 +172,33 @@ __device__ void blink_reduce_range(const BlinkArgs& a, const int* src, int nsrc,
     const long long step = blockDim.x, end = vhi / E;
     long long v = vlo / E + threadIdx.x;
     for (; v + (U - 1) * step < end; v += U * step) {
+        /* The first BLINK_FIRST_LOADS sources (kernels.py: 2, or 1 where registers are short; every inner
+         * node has a child, so nsrc >= 2) are loaded before any is unpacked: an unpack uses its load at
+         * once, so unpacking source 0 first would wait out one memory round trip before source 1's
+         * loads were issued (half types: two round trips where float32, whose unpack is no
+         * instruction, has one). */
         blink_acc_t acc[U][E];
+        {
+            BlinkVec s0[U], s1[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            BlinkVec in;
-            in.u = BLINK_SRC(0)[v + u * step];
-            blink_unpack(in, acc[u]);
+            for (int u = 0; u < U; ++u) s0[u].u = BLINK_SRC(0)[v + u * step];
+            if (BLINK_FIRST_LOADS > 1) {
+#pragma unroll
+                for (int u = 0; u < U; ++u) s1[u].u = BLINK_SRC(1)[v + u * step];
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                blink_unpack(s0[u], acc[u]);
+                if (BLINK_FIRST_LOADS > 1) {
+                    blink_acc_t x[E];
+                    blink_unpack(s1[u], x);
+#pragma unroll
+                    for (int k = 0; k < E; ++k) acc[u][k] = blink_acc_op<OP>(acc[u][k], x[k]);
+                }
+            }
         }
 #pragma unroll
-        for (int j = 1; j < BLINK_MAXR; ++j) {
+        for (int j = BLINK_FIRST_LOADS; j < BLINK_MAXR; ++j) {
             if (j < nsrc) {
                 BlinkVec t[U];
 #pragma unroll
