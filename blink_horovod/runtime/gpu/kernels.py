@@ -172,10 +172,13 @@ def acc_source(dtype: str) -> str:
     # float64's sum and product and in min/max of 8- and 16-bit integers
     # (tests/unit/test_gpu_kernels.py compiles every kernel where the NVRTC and ptxas wheels are installed).
     unroll = {"int16": 2, "int8": 1, "uint8": 1}.get(dtype, 4)
-    # Sources whose loads are all issued before the first unpack (trees.cu): two, except where the
-    # second source's registers would make ptxas spill (the 8- and 16-bit integers: they keep one).
+    # Sources whose loads are all issued before any is used (trees.cu): the first two, then one at a
+    # time (float32 and int32: two at a time), wherever ptxas keeps everything in registers; the 8- and
+    # 16-bit integers keep one (the second source's registers would spill).
     first = 1 if dtype in ("int16", "int8", "uint8") else 2
-    lines = [_PRELUDE, f"typedef {store} blink_t;", f"#define BLINK_UNROLL {unroll}", f"#define BLINK_FIRST_LOADS {first}"]
+    batch = 2 if dtype in ("float32", "int32") else 1
+    lines = [_PRELUDE, f"typedef {store} blink_t;", f"#define BLINK_UNROLL {unroll}",
+             f"#define BLINK_FIRST_LOADS {first}", f"#define BLINK_BATCH {batch}"]
     if family == "float":
         lines += [
             f"typedef {comp} blink_acc_t;",

@@ -198,17 +198,28 @@ __device__ void blink_reduce_range(const BlinkArgs& a, const int* src, int nsrc,
             }
         }
 #pragma unroll
-        for (int j = BLINK_FIRST_LOADS; j < BLINK_MAXR; ++j) {
+        for (int j = BLINK_FIRST_LOADS; j < BLINK_MAXR; j += BLINK_BATCH) {
             if (j < nsrc) {
-                BlinkVec t[U];
+                /* the next BLINK_BATCH sources' loads all issued before any is used: one round trip */
+                BlinkVec t[BLINK_BATCH][U];
 #pragma unroll
-                for (int u = 0; u < U; ++u) t[u].u = BLINK_SRC(j)[v + u * step];
+                for (int b = 0; b < BLINK_BATCH; ++b) {
+                    if (b == 0 || j + b < nsrc) {
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    blink_acc_t x[E];
-                    blink_unpack(t[u], x);
+                        for (int u = 0; u < U; ++u) t[b][u].u = BLINK_SRC(j + b)[v + u * step];
+                    }
+                }
 #pragma unroll
-                    for (int k = 0; k < E; ++k) acc[u][k] = blink_acc_op<OP>(acc[u][k], x[k]);
+                for (int b = 0; b < BLINK_BATCH; ++b) {
+                    if (b == 0 || j + b < nsrc) {
+#pragma unroll
+                        for (int u = 0; u < U; ++u) {
+                            blink_acc_t x[E];
+                            blink_unpack(t[b][u], x);
+#pragma unroll
+                            for (int k = 0; k < E; ++k) acc[u][k] = blink_acc_op<OP>(acc[u][k], x[k]);
+                        }
+                    }
                 }
             }
         }
