@@ -144,7 +144,8 @@ step_hvdtest() {
         log "start hvdtest $blink"
         ( timeout -k 5 "$limit" python3 tests/parallel/ops_reference_suite.py \
             --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo $blink \
-            --horovodrun "$(command -v horovodrun)" --test-timeout 60 --timeout-method thread --json "$OUT/hvdtest${blink:+_blink}.json" \
+            --horovodrun "$(command -v horovodrun)" --test-timeout 60 --timeout-method thread --deadline $((limit - 15)) \
+            --json "$OUT/hvdtest${blink:+_blink}.json" \
             >"$OUT/hvdtest${blink:+_blink}.log" 2>&1
           log "rc=$? hvdtest $blink" ) &
         pids+=($!)

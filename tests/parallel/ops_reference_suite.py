@@ -55,14 +55,17 @@ def collect(python: str, suite: Path, env: dict) -> list[str]:
     return ids
 
 
-def run_job(args, ids: list[str], env: dict, outdir: Path) -> tuple[dict[str, str], bool]:
-    """One horovodrun job over ``ids``; returns (verdicts, crashed)."""
+def run_job(args, ids: list[str], env: dict, outdir: Path, limit: float | None = None) -> tuple[dict[str, str], bool]:
+    """One horovodrun job over ``ids`` (killed after ``limit`` seconds where given); returns (verdicts,
+    crashed): the verdicts of the tests that ended, whatever ended the job."""
     shutil.rmtree(outdir, ignore_errors=True)
     cmd = [args.horovodrun, "-np", str(args.np), "-H", args.hosts, args.controller,
            "--output-filename", str(outdir),
            args.python, "-m", "pytest", "-v", *_isolated(Path(args.suite).resolve()), f"--timeout={args.test_timeout}",
            f"--timeout-method={args.timeout_method}", *ids]
     timeout = args.job_timeout if len(ids) > 1 or not args.per_test else args.test_timeout + 120
+    if limit is not None:
+        timeout = max(1.0, min(timeout, limit))
     # a session of its own, so that a timeout kills the ranks too, not only horovodrun
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                          cwd=Path(args.suite).parent, start_new_session=True)
@@ -129,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-test", action="store_true",
                     help="one horovodrun job per test (a failing test cannot leave the next one hanging; "
                          "each job is limited to --test-timeout + 120 s)")
+    ap.add_argument("--deadline", type=float, default=0.0, metavar="S",
+                    help="stop after S seconds: the running job is ended, the tests it finished keep their "
+                         "verdicts and the rest are reported NOTRUN (0: no deadline)")
     ap.add_argument("--json", default="")
     ap.add_argument("--keep-logs", default="",
                     help="copy every job's per-rank output (horovodrun's --output-filename folders) here")
@@ -150,22 +156,38 @@ def main(argv: list[str] | None = None) -> int:
     retried: set[str] = set()
     jobs = 0
     t0 = time.time()
+
+    def left_s() -> float | None:  # what the deadline leaves (None: no deadline)
+        return None if args.deadline <= 0 else args.deadline - (time.time() - t0)
+
+    def out_of_time() -> bool:
+        left = left_s()
+        return left is not None and left <= 1.0
+
     with tempfile.TemporaryDirectory(prefix="hvdref-") as tmp:
-        while remaining and args.per_test:
+        while remaining and args.per_test and not out_of_time():
             tid = remaining.pop(0)
             jobs += 1
-            verdicts, _ = run_job(args, [tid], env, Path(tmp) / f"job{jobs}")
+            verdicts, _ = run_job(args, [tid], env, Path(tmp) / f"job{jobs}", left_s())
+            if tid not in verdicts and out_of_time():
+                remaining.insert(0, tid)
+                break
             _keep(args, Path(tmp) / f"job{jobs}")
             results[tid] = verdicts.get(tid, "CRASH")
             print(f"[ref] {results[tid]:8s} {tid}", file=sys.stderr, flush=True)
-        while remaining:
+        while remaining and not out_of_time():
             jobs += 1
-            verdicts, crashed = run_job(args, remaining, env, Path(tmp) / f"job{jobs}")
+            started = time.time()
+            verdicts, crashed = run_job(args, remaining, env, Path(tmp) / f"job{jobs}", left_s())
             _keep(args, Path(tmp) / f"job{jobs}")
             results.update(verdicts)
             done = [t for t in remaining if t in verdicts]
             left = [t for t in remaining if t not in verdicts]
+            print(f"[ref] job {jobs}: {len(done)} tests in {time.time() - started:.0f} s", file=sys.stderr, flush=True)
             if not left:
+                break
+            if out_of_time():  # the deadline ended the job: what had not ended is not run, not crashed
+                remaining = left
                 break
             if not crashed and not done:
                 for t in left:
@@ -182,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                 retried.add(victim)
                 remaining = left
             print(f"[ref] job {jobs}: {victim} crashed the job ({'counted' if victim in results else 'retrying'}); "
-                  f"{len(remaining)} tests left", file=sys.stderr)
+                  f"{len(remaining)} tests left", file=sys.stderr, flush=True)
+        for t in remaining:
+            results.setdefault(t, "NOTRUN")
     counts: dict[str, int] = {}
     for t in ids:
         v = results.get(t, "CRASH")
@@ -191,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = "BLINK_ENABLE=1" if args.blink else "stock"
     print(f"[ref] {mode} -np {args.np} -H {args.hosts} {args.controller}: "
           f"{counts.get('PASSED', 0)} passed, {counts.get('FAILED', 0)} failed, {counts.get('SKIPPED', 0)} skipped, "
-          f"{counts.get('CRASH', 0)} crashed ({jobs} job(s), {len(retried)} test(s) retried after a job died, "
+          f"{counts.get('CRASH', 0)} crashed, {counts.get('NOTRUN', 0)} not run (deadline) ({jobs} job(s), {len(retried)} test(s) retried after a job died, "
           f"{time.time() - t0:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps({"mode": mode, "np": args.np, "hosts": args.hosts,
