@@ -118,6 +118,9 @@ class TreeExecutor:
         self.last_meta_seconds = self.last_launch_seconds = 0.0
         # The last native repeat's Call (its ns_* fields: that call's phases), None after a Python one.
         self.last_native: Any = None
+        # BLINK_LOG_LEVEL=debug: one line per launch (sequence, epoch, path, size, stream), to compare ranks
+        # in a stall; read once, since a repeat's host path is a few microseconds.
+        self._trace = log.isEnabledFor(logging.DEBUG)
         self._device_thread = 0
         self._spin_s = _SPIN_S if (os.cpu_count() or 1) > self.nranks else 0.0
         self._modules: dict[str, Any] = {}
@@ -268,6 +271,9 @@ class TreeExecutor:
             a["average_n"] = self.nranks if op == "average" else 0
             a["vec"] = vec
             sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
+            if self._trace:
+                log.debug("rank %d: %s: launch seq %d epoch %d (%s, %d elements, %d items, stream %#x)", self.rank,
+                          label, self.seq, self.epoch, kind, arr.size, work.nitems, sp)
             self.cuda.launch_kernel(fn, work.blocks, THREADS, sp, self._params)
             self._pending.add(sp)
             self._launched = True
@@ -342,6 +348,9 @@ class TreeExecutor:
                 return False
             self.seq += 1
             self.epoch += 1
+            if self._trace:
+                log.debug("rank %d: %s: repeat seq %d epoch %d (native call: %s, stream %#x)", self.rank, rec.label,
+                          self.seq, self.epoch, code, sp)
             if code == native_replay.LAUNCHED:
                 self._pending.add(sp)
                 self.last_meta_seconds = time.perf_counter() - t0
