@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -336,7 +337,7 @@ class TreeExecutor:
             return False
         try:
             if self._ctl_view[1]:
-                self._check_device_error(WaitContext.start(rec.label, self.timeout, self.stall))
+                self._check_device_error(WaitContext.start(rec.named(self.seq + 1), self.timeout, self.stall))
             t0 = time.perf_counter()
             sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
             # Check, post, meet, compare and launch in one native call; what it hands back (a late peer, other
@@ -349,7 +350,7 @@ class TreeExecutor:
             self.seq += 1
             self.epoch += 1
             if self._trace:
-                log.debug("rank %d: %s: repeat seq %d epoch %d (native call: %s, stream %#x)", self.rank, rec.label,
+                log.debug("rank %d: %s: repeat seq %d epoch %d (native call: %s, stream %#x)", self.rank, rec.base,
                           self.seq, self.epoch, code, sp)
             if code == native_replay.LAUNCHED:
                 self._pending.add(sp)
@@ -358,9 +359,9 @@ class TreeExecutor:
                 self.last_native = native.call
                 return True
             if code == native_replay.LAUNCH_FAILED:
-                raise BlinkInternalError(f"{rec.label}: cuLaunchKernel failed with CUDA error {native.cuda_error}")
+                raise BlinkInternalError(f"{rec.named(self.seq)}: cuLaunchKernel failed with CUDA error {native.cuda_error}")
             # (after a native call the deadline counts from here: its spin is a fraction of a millisecond)
-            ctx = WaitContext.start(rec.label, self.timeout, self.stall)
+            ctx = WaitContext.start(rec.named(self.seq), self.timeout, self.stall)
             payloads = (self.t.exchange_meta(self.seq, rec.payload, ctx) if code is None
                         else self.t.collect_meta(self.seq, rec.payload, ctx))
             if payloads != rec.payloads:
@@ -587,15 +588,24 @@ def _new_mappings(all_extras: Sequence[Mapping[str, Any]]) -> bool:
 class _Replay:
     """What :meth:`TreeExecutor.replay` needs to launch a collective again."""
 
-    __slots__ = ("argp", "args", "bid", "epoch", "fn", "grid", "label", "native", "payload", "payloads", "ptr")
+    __slots__ = ("argp", "args", "base", "bid", "epoch", "fn", "grid", "native", "payload", "payloads", "ptr")
 
     def __init__(self, label: str, ptr: int, bid: int, payload: bytes, payloads: list[bytes], args: np.ndarray,
                  argp: Any, grid: int, fn: Any) -> None:
-        self.label, self.ptr, self.bid, self.payload, self.payloads = label, ptr, bid, payload, payloads
+        # The label without the first call's number: a repeat's errors name the collective it is.
+        self.base = _NUMBERED.sub("", label)
+        self.ptr, self.bid, self.payload, self.payloads = ptr, bid, payload, payloads
         self.args, self.argp, self.grid, self.fn = args, argp, grid, fn
         assert ARGS_DTYPE.fields["epoch"][1] == 0
         self.epoch = ctypes.c_uint64.from_address(args.ctypes.data)
         self.native: native_replay.PreparedCall | None = None  # TreeExecutor._prepare_native
+
+    def named(self, seq: int) -> str:
+        """This repeat's label as collective ``seq``."""
+        return f"{self.base} (collective {seq})"
+
+
+_NUMBERED = re.compile(r" \(collective \d+\)$")  # Communicator's labels end so
 
 
 def mps_active(env: Mapping[str, str] | None = None) -> bool:
