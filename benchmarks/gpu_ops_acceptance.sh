@@ -13,7 +13,8 @@
 #   train    examples/torch_train.py on CUDA, stock and Blink, -np 2 and -np 4 (two servers): weights
 #            compared; BLINK_TOPOLOGY unset, so the plan comes from the GPU probe (its log line kept)
 #   step     benchmarks/gpu_step_time.py (~100 M parameters), float32 and bfloat16, stock and Blink
-#   hvdtest  Horovod's test/parallel/test_torch.py at -np 2, stock and Blink (.carry/hvd-tests)
+#   hvdtest  Horovod's test/parallel/test_torch.py at -np 2, stock and Blink side by side (.carry/hvd-tests);
+#            HVDTEST_SHARD=I/N runs the I-th of N shares of it (the suite takes longer than one call there)
 #
 #   OUT=/tmp/out STEPS="build exact" bash benchmarks/gpu_ops_acceptance.sh
 #
@@ -145,6 +146,7 @@ step_hvdtest() {
         ( timeout -k 5 "$limit" python3 tests/parallel/ops_reference_suite.py \
             --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo $blink \
             --horovodrun "$(command -v horovodrun)" --test-timeout 60 --timeout-method thread --deadline $((limit - 15)) \
+            ${HVDTEST_SHARD:+--shard $HVDTEST_SHARD} \
             --json "$OUT/hvdtest${blink:+_blink}.json" \
             >"$OUT/hvdtest${blink:+_blink}.log" 2>&1
           log "rc=$? hvdtest $blink" ) &

@@ -87,7 +87,8 @@ def main() -> None:
         p = out / f"{name}.json"
         if p.exists():
             runs[name] = json.loads(p.read_text())
-            print(f"\n- Horovod's test_torch.py, {runs[name]['mode']} -np {runs[name]['np']}: {runs[name]['counts']}")
+            print(f"\n- Horovod's test_torch.py, {runs[name]['mode']} -np {runs[name]['np']} (share "
+                  f"{runs[name].get('shard', '0/1')}): {runs[name]['counts']}")
     if len(runs) == 2:
         va, vb = runs["hvdtest"]["tests"], runs["hvdtest_blink"]["tests"]
         both = [k for k in sorted(set(va) | set(vb)) if "NOTRUN" not in (va.get(k), vb.get(k))]

@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-method", default="signal", choices=["signal", "thread"],
                     help="pytest-timeout's method inside the ranks (thread: a hung rank exits)")
     ap.add_argument("-k", default="", help="only tests whose id contains this")
+    ap.add_argument("--shard", default="", metavar="I/N",
+                    help="only the I-th of N interleaved shares of the tests (0 <= I < N), so that a suite too long "
+                         "for one sitting runs in N")
     ap.add_argument("--per-test", action="store_true",
                     help="one horovodrun job per test (a failing test cannot leave the next one hanging; "
                          "each job is limited to --test-timeout + 120 s)")
@@ -150,7 +153,15 @@ def main(argv: list[str] | None = None) -> int:
             if k in os.environ:
                 env[k] = os.environ[k]
     suite = Path(args.suite).resolve()
-    ids = [t for t in collect(args.python, suite, env) if args.k in t]
+    shard = (0, 1)
+    if args.shard:
+        try:
+            shard = tuple(int(v) for v in args.shard.split("/"))  # type: ignore[assignment]
+            if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+                raise ValueError
+        except ValueError:
+            ap.error(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
+    ids = [t for t in collect(args.python, suite, env) if args.k in t][shard[0]::shard[1]]
     results: dict[str, str] = {}
     remaining = list(ids)
     retried: set[str] = set()
@@ -219,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.time() - t0:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps({"mode": mode, "np": args.np, "hosts": args.hosts,
-                                               "controller": args.controller, "counts": counts,
+                                               "controller": args.controller, "shard": args.shard or "0/1",
+                                               "counts": counts,
                                                "jobs": jobs, "retried": sorted(retried),
                                                "tests": {t: results.get(t, "CRASH") for t in ids}}, indent=1))
     return 0
