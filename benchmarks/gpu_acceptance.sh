@@ -6,6 +6,9 @@
 #
 #   OUT=/tmp/out bash benchmarks/gpu_acceptance.sh
 #   STEPS="n2 ops bcast" SIZES="-b 8 -e 64M -f 8" bash benchmarks/gpu_acceptance.sh   # a subset
+#
+# PACK=1: everything but summary.md and steps.txt goes into one $OUT/logs.tgz (the device tool brings
+# back at most 8 files).
 set -u
 OUT=${OUT:-build/gpu-acceptance}
 mkdir -p "$OUT"
@@ -59,3 +62,9 @@ want ops && perf ops 4 hgx-h200:0,1,2,3 120 -d all -o all -b 4 -e 4M -f 32 -n 2 
 want bcast && perf bcast 4 hgx-h200:0,1,2,3 120 --collective broadcast -r 1 -d float,bfloat16 $SIZES $ITERS -c 1
 python3 benchmarks/gpu_summary.py "$OUT" >"$OUT/summary.md" 2>&1
 log "done"
+# At most 8 files come back from the device: the summary, the step log and one archive of the rest.
+if [ -n "${PACK:-}" ]; then
+    (cd "$OUT" && tar czf /tmp/gpu-acceptance-logs.tgz --exclude summary.md --exclude steps.txt --exclude logs.tgz . \
+        && find . -type f ! -name summary.md ! -name steps.txt -delete && find . -mindepth 1 -type d -empty -delete \
+        && mv /tmp/gpu-acceptance-logs.tgz logs.tgz)
+fi
