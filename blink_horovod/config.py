@@ -33,6 +33,7 @@ __all__ = [
     "BLINK_MPI_YIELD",
     "BLINK_BACKGROUND_IDLE",
     "BLINK_STREAM_COPY",
+    "BLINK_GPU_SM_SHARE",
     "ALL_VARIABLES",
     "LAUNCHER_FLAGS",
     "Config",
@@ -66,6 +67,11 @@ BLINK_BACKGROUND_IDLE = "BLINK_BACKGROUND_IDLE"
 # reads each destination line before writing it, a streamed one does not, and the CPU runtime is bound by
 # memory bandwidth.  1 (default; numpy's copies where no C compiler is found) or 0 (numpy's copies).
 BLINK_STREAM_COPY = "BLINK_STREAM_COPY"
+# The share of each GPU's thread-block slots that the tree kernels of the ranks on it take together
+# (0 < share <= 1; default 1: all, the most memory parallelism).  A tree kernel's blocks spin on their
+# peers' flags while resident, so where compute kernels run beside the collectives (a backward pass
+# overlapping its gradients' allreduces), a smaller share leaves them SMs, as NCCL's channel limits do.
+BLINK_GPU_SM_SHARE = "BLINK_GPU_SM_SHARE"
 
 ALL_VARIABLES = (
     BLINK_ENABLE,
@@ -80,6 +86,7 @@ ALL_VARIABLES = (
     BLINK_MPI_YIELD,
     BLINK_BACKGROUND_IDLE,
     BLINK_STREAM_COPY,
+    BLINK_GPU_SM_SHARE,
 )
 
 # blinkrun flag -> variable (one-to-one, as Horovod's launcher argument groups).
@@ -119,6 +126,7 @@ class Config:
     mpi_yield: bool = True
     background_idle: bool = True
     stream_copy: bool = True
+    gpu_sm_share: float = 1.0
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
@@ -188,4 +196,6 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         mpi_yield=_flag(env, BLINK_MPI_YIELD, default=True),
         background_idle=_flag(env, BLINK_BACKGROUND_IDLE, default=True),
         stream_copy=_flag(env, BLINK_STREAM_COPY, default=True),
+        gpu_sm_share=env_number(env, BLINK_GPU_SM_SHARE, float, "a share of the GPU (0 < share <= 1)",
+                                lambda v: math.isfinite(v) and 0 < v <= 1, 1.0),
     )

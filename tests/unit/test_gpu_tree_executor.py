@@ -516,3 +516,20 @@ def test_ranks_of_other_servers_on_the_gpu_shrink_every_ranks_grid() -> None:
     out = run_ranks(rank, 2, timeout=60)
     per_sm = FakeCuda(0).blocks_per_sm(None, 512)
     assert out == [(4, 132 * per_sm // 4)] * 2
+
+
+def test_a_share_of_the_gpu_shrinks_every_ranks_grid_to_the_smallest_share() -> None:
+    """``BLINK_GPU_SM_SHARE``: the kernels of the GPU's ranks take that share of its block slots together,
+    and every rank launches the grid of the smallest share any rank asked for."""
+    world = LoopbackWorld(2)
+
+    def rank(r: int):
+        ex = TreeExecutor(world.transport(r), 20.0, 10.0, cuda=FakeCuda(r), sm_share=0.5 if r == 1 else 1.0)
+        try:
+            return ex.ranks_on_device, ex.blocks
+        finally:
+            ex.close()
+
+    out = run_ranks(rank, 2, timeout=60)
+    per_sm = FakeCuda(0).blocks_per_sm(None, 512)
+    assert out == [(2, int(132 * per_sm * 0.5) // 2)] * 2

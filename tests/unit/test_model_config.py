@@ -12,16 +12,16 @@ from blink_horovod.units import format_size, parse_size
 def test_defaults() -> None:
     cfg = config.load_config({})
     assert not cfg.enable and cfg.timeout_seconds == 600 and cfg.stall_check_seconds == 60
-    assert cfg.chunk_bytes is None and cfg.log_level == "warning"
+    assert cfg.chunk_bytes is None and cfg.log_level == "warning" and cfg.gpu_sm_share == 1.0
 
 
 def test_values_parse() -> None:
     cfg = config.load_config(
         {"BLINK_ENABLE": "1", "BLINK_CHUNK_BYTES": "4M", "BLINK_LOCAL_SIZE": "2", "BLINK_TIMEOUT_SECONDS": "5",
-         "BLINK_LOG_LEVEL": "DEBUG", "BLINK_TOPOLOGY": "dgx1v:0,1"}
+         "BLINK_LOG_LEVEL": "DEBUG", "BLINK_TOPOLOGY": "dgx1v:0,1", "BLINK_GPU_SM_SHARE": "0.5"}
     )
     assert cfg.enable and cfg.chunk_bytes == 4 << 20 and cfg.local_size == 2 and cfg.timeout_seconds == 5.0
-    assert cfg.log_level == "debug" and cfg.topology == "dgx1v:0,1"
+    assert cfg.log_level == "debug" and cfg.topology == "dgx1v:0,1" and cfg.gpu_sm_share == 0.5
 
 
 @pytest.mark.parametrize(
@@ -35,6 +35,9 @@ def test_values_parse() -> None:
         ("BLINK_TIMEOUT_SECONDS", "nan"),
         ("BLINK_STALL_CHECK_SECONDS", "0"),
         ("BLINK_LOG_LEVEL", "loud"),
+        ("BLINK_GPU_SM_SHARE", "0"),
+        ("BLINK_GPU_SM_SHARE", "1.5"),
+        ("BLINK_GPU_SM_SHARE", "half"),
     ],
 )
 def test_invalid_values_name_the_variable(name: str, value: str) -> None:

@@ -92,10 +92,13 @@ class TreeExecutor:
         ``BLINK_TIMEOUT_SECONDS`` and ``BLINK_STALL_CHECK_SECONDS``.
     device : int, optional
         CUDA device; default the current one.
+    sm_share : float
+        ``BLINK_GPU_SM_SHARE``: the share of the GPU's block slots the kernels of its ranks take together
+        (the smallest of the ranks' settings holds: every rank launches the same grid).
     """
 
     def __init__(self, transport: Transport, timeout: float, stall: float, device: int | None = None,
-                 cuda: Any = None, sharers: int = 1) -> None:
+                 cuda: Any = None, sharers: int = 1, sm_share: float = 1.0) -> None:
         self.t = transport
         self.rank, self.nranks = transport.rank, transport.nranks
         if self.nranks > MAX_RANKS:
@@ -148,6 +151,7 @@ class TreeExecutor:
         self._peers = [q for q in range(self.nranks) if q != self.rank]  # a kernel waits on every one of them
         self.blocks = 1
         self._sharers = max(1, int(sharers))
+        self._sm_share = float(sm_share)
         self._setup()
         # A repeat's host path in one native call where the transport is shared memory (not threads).
         self._native_path = native_replay.NativeReplay.create(transport, cuda)
@@ -161,7 +165,7 @@ class TreeExecutor:
         fn = self._function("float32", "sum")
         per_sm = max(1, c.blocks_per_sm(fn, THREADS))
         mine = {"flags": c.ipc_handle(self._own_flags).hex(), "bus": c.pci_bus_id(), "sms": int(c.sms),
-                "per_sm": per_sm, "sharers": self._sharers}
+                "per_sm": per_sm, "sharers": self._sharers, "share": self._sm_share}
         self.seq += 1
         payloads = self.t.exchange_meta(self.seq, metadata.encode({"collective": "gpu setup"}, mine), ctx)
         peers = metadata.check_agreement(payloads, self.seq)
@@ -173,7 +177,8 @@ class TreeExecutor:
         # this server's ranks do (servers of a job on one machine, as tests run them).
         self.ranks_on_device = max(max(sum(1 for f in peers if f["bus"] == e["bus"]) for e in peers),
                                    max(int(e.get("sharers", 1)) for e in peers))
-        self.blocks = max(1, min(MAX_BLOCKS, min(int(e["sms"]) * int(e["per_sm"]) for e in peers)
+        share = min(float(e.get("share", 1.0)) for e in peers)  # BLINK_GPU_SM_SHARE: the smallest holds
+        self.blocks = max(1, min(MAX_BLOCKS, int(min(int(e["sms"]) * int(e["per_sm"]) for e in peers) * share)
                                  // self.ranks_on_device))
         for q, e in enumerate(peers):
             self._flag_ptrs[q] = self._own_flags if q == self.rank else c.ipc_open(bytes.fromhex(e["flags"]))
