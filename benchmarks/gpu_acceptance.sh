@@ -54,7 +54,7 @@ want probe2 && probe probe2 2 hgx-h200:0,1
 want probe8 && probe probe8 8 hgx-h200
 if want tests; then
     log "start tests"
-    timeout -k 5 ${TESTS_LIMIT:-420} python3 -m pytest tests/parallel/test_gpu_collectives.py -q -p no:cacheprovider \
+    timeout -k 5 ${TESTS_LIMIT:-420} python3 -m pytest tests/parallel/test_gpu_collectives.py -q -rA -p no:cacheprovider \
         --timeout=400 -o addopts="" ${TESTS_K:+-k "$TESTS_K"} >"$OUT/tests.log" 2>&1
     log "rc=$? tests"
 fi
