@@ -380,10 +380,15 @@ def test_a_timeout_found_by_the_kernel_is_reported_at_the_next_call(world: str) 
     def body(r, comm, cuda):
         x = tensor_at(cuda, 0, 64)
         comm.allreduce(x, name="t")
-        comm._executor._ctl_view[1] = 1  # what the kernel writes when a wait gives up (epoch 1)
-        with pytest.raises(BlinkTimeoutError, match="gave up waiting"):
+        # what the kernel writes when a wait gives up: what it waited for (the peer's reduce flag of item 5),
+        # then the epoch (1)
+        comm._executor._ctl_view[2] = (5 << 16) | (1 << 8) | (1 - r) + 1
+        comm._executor._ctl_view[1] = 1
+        with pytest.raises(BlinkTimeoutError,
+                           match=f"rank {r}'s GPU gave up waiting for rank {1 - r}'s reduce flag of item 5 in "
+                                 "collective epoch 1"):
             comm.allreduce(x, name="t")
-        comm._executor._ctl_view[1] = 0
+        comm._executor._ctl_view[1] = comm._executor._ctl_view[2] = 0
         return True
 
     def close(comm) -> None:  # a failed executor: nothing to drain

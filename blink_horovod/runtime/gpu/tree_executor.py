@@ -136,7 +136,7 @@ class TreeExecutor:
         c = cuda
         self._own_flags = c.malloc(8 * FLAG_WORDS)
         c.memset(self._own_flags, 0, 8 * FLAG_WORDS)
-        self._ctl_host, self._ctl_view = c.host_alloc(64)  # [abort, error epoch]
+        self._ctl_host, self._ctl_view = c.host_alloc(64)  # [abort, error epoch, what the failed wait awaited]
         self._ctl_view[:] = 0
         self._aux = c.stream()
         # Streams launched on since the last synchronize: their events are recorded there, not per launch.
@@ -457,9 +457,11 @@ class TreeExecutor:
     def _check_device_error(self, ctx: WaitContext) -> None:
         bad = int(self._ctl_view[1])
         if bad:
+            g = self.t.rank_offset  # errors name the job's ranks
             raise BlinkTimeoutError(
-                f"{ctx.label}: rank {self.rank}'s GPU gave up waiting for a peer's flags in collective epoch {bad} "
-                f"(BLINK_TIMEOUT_SECONDS={self.timeout:g}, or a failure elsewhere aborted it)")
+                f"{ctx.label}: rank {self.rank + g}'s GPU gave up waiting for {_waited(int(self._ctl_view[2]), g)} "
+                f"in collective epoch {bad} (BLINK_TIMEOUT_SECONDS={self.timeout:g}, or a failure elsewhere "
+                f"aborted it)")
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait (peer checks, deadline) until this rank's launched collectives are done."""
@@ -609,6 +611,17 @@ class _Replay:
         """This repeat's label as collective ``seq``."""
         return f"{self.base} (collective {seq})"
 
+
+def _waited(word: int, rank_offset: int = 0) -> str:
+    """What the kernel's wait that gave up waited for, from the word it left (``trees.cu``, blink_wait:
+    index << 16 | what << 8 | peer + 1)."""
+    peer, what, index = (word & 0xFF) - 1, (word >> 8) & 0xFF, word >> 16
+    if peer < 0 or what not in _WAITED:
+        return "a peer's flags"
+    return f"rank {peer + rank_offset}'s {_WAITED[what]} {index}"
+
+
+_WAITED = {1: "reduce flag of item", 2: "broadcast flag of item", 3: "end-of-collective flag of block"}
 
 _NUMBERED = re.compile(r" \(collective \d+\)$")  # Communicator's labels end so
 

@@ -48,7 +48,8 @@ struct BlinkArgs {
     blink_u64 items;              /* device: BlinkItem[nitems] */
     blink_u64 trees;              /* device: BlinkTree[ntrees], this rank's view */
     blink_u64 timeout_ns;
-    blink_u64 ctl;                      /* mapped host memory: [0] abort (set by the host), [1] error epoch */
+    blink_u64 ctl;                      /* mapped host memory: [0] abort (set by the host), [1] error epoch,
+                                           [2] what the wait that gave up waited for (blink_wait) */
     int nitems, rank, nranks, phases;  /* phases: 1 reduce, 2 broadcast */
     int average_n, vec;                 /* vec: every buf[p] is 16-byte aligned */
     int red_word, fin_word;             /* word offsets of red[] and fin[] in a flag segment */
@@ -73,14 +74,24 @@ __device__ __forceinline__ blink_u64 blink_clock_ns() {
     return t;
 }
 
-/* One thread: wait until *w >= a.epoch; false on timeout or abort (then the error word holds the epoch). */
-__device__ bool blink_wait(const blink_u64* w, const BlinkArgs& a, blink_u64 start) {
+/* What a wait waits for (the host names it when the wait gives up: tree_executor.py, _WAITED). */
+#define BLINK_WAIT_RED 1  /* a child's reduce flag of item `index` */
+#define BLINK_WAIT_FIN 2  /* the parent's broadcast flag of item `index` */
+#define BLINK_WAIT_DONE 3 /* a peer's end-of-collective flag of block `index` */
+
+/* One thread: wait until rank `peer`'s flag word (`what`, `index`) reaches a.epoch; false on timeout or
+ * abort: then ctl[2] says what was waited for, in one store (blocks that give up at once overwrite each
+ * other whole), and ctl[1], the error word, the epoch. */
+__device__ bool blink_wait(const BlinkArgs& a, int peer, int what, int word, long long index, blink_u64 start) {
+    const blink_u64* w = (const blink_u64*)(a.flags[peer]) + word;
     if (blink_ld_acquire(w) >= a.epoch) return true;
     const volatile blink_u64* ctl = (const volatile blink_u64*)a.ctl;
     unsigned spins = 0;
     while (blink_ld_acquire(w) < a.epoch) {
         if ((++spins & 255u) == 0u) {
             if (ctl[0] != 0ull || blink_clock_ns() - start > a.timeout_ns) {
+                ((volatile blink_u64*)ctl)[2] =
+                    ((blink_u64)index << 16) | ((blink_u64)what << 8) | (blink_u64)(peer + 1);
                 ((volatile blink_u64*)ctl)[1] = a.epoch;
                 return false;
             }
@@ -298,7 +309,7 @@ __device__ void blink_trees_body(const BlinkArgs& a) {
                 src[0] = me;
                 for (int c = 0; c < t.nchild; ++c) {
                     src[c + 1] = t.child[c];
-                    if (ok && !blink_wait(blink_word(a, t.child[c], a.red_word + i), a, start)) ok = 0;
+                    if (ok && !blink_wait(a, t.child[c], BLINK_WAIT_RED, a.red_word + i, i, start)) ok = 0;
                 }
             }
             __syncthreads();
@@ -317,7 +328,7 @@ __device__ void blink_trees_body(const BlinkArgs& a) {
                 if (!(a.phases & 1) && threadIdx.x == 0) blink_st_release(blink_word(a, me, a.fin_word + i), e);
                 continue;
             }
-            if (threadIdx.x == 0 && ok && !blink_wait(blink_word(a, t.parent, a.fin_word + i), a, start)) ok = 0;
+            if (threadIdx.x == 0 && ok && !blink_wait(a, t.parent, BLINK_WAIT_FIN, a.fin_word + i, i, start)) ok = 0;
             __syncthreads();
             if (ok) blink_copy_range(a, t.parent, it.lo, it.hi);
             __syncthreads();
@@ -330,7 +341,7 @@ __device__ void blink_trees_body(const BlinkArgs& a) {
     if (threadIdx.x == 0) {
         blink_st_release(blink_word(a, me, a.done_word + blockIdx.x), e);
         for (int p = 0; p < a.nranks; ++p)
-            if (p != me && ok && !blink_wait(blink_word(a, p, a.done_word + blockIdx.x), a, start)) ok = 0;
+            if (p != me && ok && !blink_wait(a, p, BLINK_WAIT_DONE, a.done_word + blockIdx.x, blockIdx.x, start)) ok = 0;
     }
 }
 
