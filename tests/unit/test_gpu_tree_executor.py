@@ -506,35 +506,24 @@ def test_a_peer_gone_while_the_gpu_works_is_named_by_synchronize() -> None:
     assert run(n, body, close) == [True, None]
 
 
-def test_ranks_of_other_servers_on_the_gpu_shrink_every_ranks_grid() -> None:
-    """Servers of one job on one machine: a rank that says 4 ranks share its GPU (``sharers``) makes
-    its whole server take a quarter of the SMs each, so that every spinning block stays resident."""
+@pytest.mark.parametrize("setting,expect", [
+    # Servers of one job on one machine: a rank that says 4 ranks share its GPU (``sharers``) makes its
+    # whole server take a quarter of the SMs each, so that every spinning block stays resident.
+    ({"sharers": 4}, (4, lambda slots: slots // 4)),
+    # ``BLINK_GPU_SM_SHARE``: the kernels of the GPU's ranks take that share of its block slots together,
+    # and every rank launches the grid of the smallest share any rank asked for.
+    ({"sm_share": 0.5}, (2, lambda slots: int(slots * 0.5) // 2)),
+])
+def test_what_one_rank_says_of_the_gpu_shrinks_every_ranks_grid(setting: dict, expect: tuple) -> None:
     world = LoopbackWorld(2)
 
     def rank(r: int):
-        ex = TreeExecutor(world.transport(r), 20.0, 10.0, cuda=FakeCuda(r), sharers=4 if r == 0 else 1)
+        ex = TreeExecutor(world.transport(r), 20.0, 10.0, cuda=FakeCuda(r), **(setting if r == 0 else {}))
         try:
             return ex.ranks_on_device, ex.blocks
         finally:
             ex.close()
 
     out = run_ranks(rank, 2, timeout=60)
-    per_sm = FakeCuda(0).blocks_per_sm(None, 512)
-    assert out == [(4, 132 * per_sm // 4)] * 2
-
-
-def test_a_share_of_the_gpu_shrinks_every_ranks_grid_to_the_smallest_share() -> None:
-    """``BLINK_GPU_SM_SHARE``: the kernels of the GPU's ranks take that share of its block slots together,
-    and every rank launches the grid of the smallest share any rank asked for."""
-    world = LoopbackWorld(2)
-
-    def rank(r: int):
-        ex = TreeExecutor(world.transport(r), 20.0, 10.0, cuda=FakeCuda(r), sm_share=0.5 if r == 1 else 1.0)
-        try:
-            return ex.ranks_on_device, ex.blocks
-        finally:
-            ex.close()
-
-    out = run_ranks(rank, 2, timeout=60)
-    per_sm = FakeCuda(0).blocks_per_sm(None, 512)
-    assert out == [(2, int(132 * per_sm * 0.5) // 2)] * 2
+    slots = 132 * FakeCuda(0).blocks_per_sm(None, 512)
+    assert out == [(expect[0], expect[1](slots))] * 2
