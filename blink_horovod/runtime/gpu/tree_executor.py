@@ -287,6 +287,7 @@ class TreeExecutor:
                 self._free_evicted()
             self.last_meta_seconds = t1 - t0
             self.last_launch_seconds = time.perf_counter() - t1
+            self.last_native = None
             if replay_key is not None and not extras:
                 self._remember(replay_key, label, ptr, work.blocks, fn)
             return all_extras
