@@ -7,12 +7,28 @@
 #   OUT=/tmp/out bash benchmarks/gpu_acceptance.sh
 #   STEPS="n2 ops bcast" SIZES="-b 8 -e 64M -f 8" bash benchmarks/gpu_acceptance.sh   # a subset
 #
-# PACK=1: everything but summary.md and steps.txt goes into one $OUT/logs.tgz (the device tool brings
+# PACK=1: everything but the summaries and steps.txt goes into one $OUT/logs.tgz (the device tool brings
 # back at most 8 files).
+#
+# BASE=DIR: first, the perf steps BASE_STEPS (default "n2 n8 d8", at BASE_SIZES, default 256 MB and
+# 1 GB) run from a copy of the tree whose runtime/gpu/ files are replaced by DIR's (an earlier kernel's
+# trees.cu and kernels.py), so that two kernels are compared in one call: $OUT/summary_base.md beside
+# $OUT/summary.md.
 set -u
 OUT=${OUT:-build/gpu-acceptance}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
+if [ -n "${BASE:-}" ]; then
+    BASE=$(cd "$BASE" && pwd)
+    tree=$(mktemp -d /tmp/blink-base-XXXXXX)
+    cp -r blink_horovod benchmarks scripts "$tree/" && cp "$BASE"/* "$tree/blink_horovod/runtime/gpu/"
+    # (before this run's MPS daemon: the copy starts and stops its own)
+    (cd "$tree" && OUT="$OUT/base" STEPS="${BASE_STEPS:-n2 n8 d8}" SIZES="${BASE_SIZES:--b 256M -e 1G -f 4}" \
+        BASE= PACK= bash benchmarks/gpu_acceptance.sh >/dev/null 2>&1)
+    cp "$OUT/base/summary.md" "$OUT/summary_base.md" 2>/dev/null
+    rm -rf "$tree"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -64,7 +80,8 @@ python3 benchmarks/gpu_summary.py "$OUT" >"$OUT/summary.md" 2>&1
 log "done"
 # At most 8 files come back from the device: the summary, the step log and one archive of the rest.
 if [ -n "${PACK:-}" ]; then
-    (cd "$OUT" && tar czf /tmp/gpu-acceptance-logs.tgz --exclude summary.md --exclude steps.txt --exclude logs.tgz . \
-        && find . -type f ! -name summary.md ! -name steps.txt -delete && find . -mindepth 1 -type d -empty -delete \
-        && mv /tmp/gpu-acceptance-logs.tgz logs.tgz)
+    (cd "$OUT" && tar czf /tmp/gpu-acceptance-logs.tgz --exclude ./summary.md --exclude ./summary_base.md \
+        --exclude ./steps.txt --exclude ./logs.tgz . \
+        && find . -type f ! -path ./summary.md ! -path ./summary_base.md ! -path ./steps.txt -delete \
+        && find . -mindepth 1 -type d -empty -delete && mv /tmp/gpu-acceptance-logs.tgz logs.tgz)
 fi
