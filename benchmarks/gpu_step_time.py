@@ -21,6 +21,7 @@ import argparse
 import faulthandler
 import json
 import statistics
+import sys
 import time
 
 import horovod.torch as hvd
@@ -55,14 +56,18 @@ def main() -> None:
     args = ap.parse_args()
 
     hvd.init()
+    failed = False
     try:
         run(args)
-    except Exception as exc:  # stock Horovod refuses bfloat16 CUDA tensors: say so in the table
+    except Exception as exc:  # noqa: BLE001 - stock Horovod refuses bfloat16 CUDA tensors: said in the table
+        failed = True
         if hvd.rank() == 0:
             print("STEP " + json.dumps({"ranks": hvd.size(), "dtype": args.dtype,
                                         "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}),
                   flush=True)
     hvd.shutdown()
+    if failed:  # the job's exit status says so too (the table row says what)
+        sys.exit(1)
 
 
 def run(args: argparse.Namespace) -> None:
