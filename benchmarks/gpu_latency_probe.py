@@ -47,7 +47,7 @@ def main() -> None:
                 meta.append(ex.last_meta_seconds)
                 launch.append(ex.last_launch_seconds)
                 c = ex.last_native  # the native call's own phases (ns); None after a Python repeat
-                phases.append((c.ns_check, c.ns_post, c.ns_met, c.ns_launch) if c is not None else (0, 0, 0, 0))
+                phases.append(c.phases_ns() if c is not None else (0, 0, 0, 0))
             comm.synchronize()
             loop = (time.perf_counter() - t0) / 200
             dev = []
@@ -72,7 +72,7 @@ def main() -> None:
                       f"device (events) / host p90 / native call's allocation check / post / wait for the peers "
                       f"and compare / launch, us, per rank (native: metadata is the whole native call):")
                 for r, o in enumerate(rows):
-                    print("  rank %d:" % r + " %7.1f" * len(o[mode, nbytes]) % o[mode, nbytes])
+                    print(f"  rank {r}:" + "".join(f" {v:7.1f}" for v in o[mode, nbytes]))
     comm.close()
     rdv.close()
 

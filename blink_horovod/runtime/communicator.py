@@ -569,10 +569,7 @@ class _DeviceFlat:
 
     def __init__(self, ptr: int, size: int, dtype: np.dtype | None, name: str, stream: int | None = None) -> None:
         self.ptr, self.size, self.dtype, self.dtype_name, self.stream = ptr, size, dtype, name, stream
-        itemsize = _ITEMSIZE.get(name)
-        if itemsize is None:  # (this runs on every CUDA collective: numpy_dtype once per dtype)
-            itemsize = _ITEMSIZE[name] = numpy_dtype(name).itemsize
-        self.nbytes = size * itemsize
+        self.nbytes = size * numpy_dtype(name).itemsize
 
     def data_ptr(self) -> int:
         return self.ptr
@@ -615,7 +612,6 @@ _TORCH_NAMES = {"float32": "float32", "float64": "float64", "float16": "float16"
                 "int32": "int32", "int64": "int64", "int8": "int8", "uint8": "uint8", "int16": "int16"}
 
 
-_ITEMSIZE: dict[str, int] = {}  # Blink's dtype name -> bytes per element
 _CAI_SEEN: dict[str, tuple[np.dtype, str]] = {}  # __cuda_array_interface__ typestr -> dtype, Blink's name
 _TORCH_SEEN: dict[Any, str] = {}  # torch dtype -> Blink's name (this runs on every collective)
 

@@ -21,6 +21,7 @@ quotient is representable), integers as Horovod's CPU ``ScaleBuffer`` does,
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -98,6 +99,7 @@ def canonical_dtype(name: str, field: str = "dtype") -> str:
     return key
 
 
+@functools.cache  # (every CUDA collective asks for its itemsize: a dict lookup then)
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype that stores ``name`` (bfloat16 without ml_dtypes: uint16)."""
     name = canonical_dtype(name)

@@ -198,7 +198,7 @@ def scenario(name: str, rank: int, n: int, comm: Communicator, args: list[str]) 
                 launch.append(ex.last_launch_seconds)
                 c = ex.last_native  # the native call's phases (ns): allocation check, post, wait, launch
                 if c is not None:
-                    phases.append((c.ns_check, c.ns_post, c.ns_met, c.ns_launch))
+                    phases.append(c.phases_ns())
             comm.synchronize()
             items = max((int(r.nitems) for r in [w for w, _, _ in ex._tables.values()]), default=0)
             res.append({"elements": elems * n, "items": items, "total_us": 1e6 * float(np.median(total)),

@@ -318,7 +318,7 @@ def test_a_repeat_is_replayed_and_one_handle_is_taken_per_allocation(world: str)
         comm.allreduce(y, name="y")
         comm.allreduce(x, name="x")  # a repeat again: native over shared memory
         last = comm._executor.last_native  # that call's phases, as the latency probe reads them
-        phases = None if last is None else (last.ns_check, last.ns_post, last.ns_met, last.ns_launch)
+        phases = None if last is None else last.phases_ns()
         epochs = [int(lw[0][0]["epoch"]) for lw in cuda.launches]
         return (epochs, len(cuda.handles_taken), len(cuda.opened), len(comm._executor._replays),
                 getattr(cuda, "native_launches", 0), phases)

@@ -202,11 +202,11 @@ class Cuda:
 
     def launch_address(self) -> int:
         """The address of the driver's ``cuLaunchKernel``, for native code that launches (``_replay.c``)."""
-        return int(ctypes.cast(ctypes.CDLL("libcuda.so.1").cuLaunchKernel, ctypes.c_void_p).value)
+        return _driver_address("cuLaunchKernel")
 
     def attribute_address(self) -> int:
         """The address of the driver's ``cuPointerGetAttribute`` (``_replay.c`` checks a buffer id with it)."""
-        return int(ctypes.cast(ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute, ctypes.c_void_p).value)
+        return _driver_address("cuPointerGetAttribute")
 
     def function_address(self, fn: Any) -> int:
         """The ``CUfunction`` of a RawModule function."""
@@ -223,3 +223,8 @@ class Cuda:
         mod = self.cupy.RawModule(code=source, options=("-std=c++17",))
         mod.compile()
         return mod
+
+
+def _driver_address(name: str) -> int:
+    """The address of the CUDA driver's entry point ``name`` (``libcuda``), for native callers."""
+    return int(ctypes.cast(getattr(ctypes.CDLL("libcuda.so.1"), name), ctypes.c_void_p).value)

@@ -58,6 +58,11 @@ class Call(ctypes.Structure):
                 ("pad", ctypes.c_int32), ("ns_check", ctypes.c_uint64), ("ns_post", ctypes.c_uint64),
                 ("ns_met", ctypes.c_uint64), ("ns_launch", ctypes.c_uint64)]
 
+    def phases_ns(self) -> tuple[int, int, int, int]:
+        """The last call's phases in ns: the allocation check, the post, the wait for the peers and the
+        comparison, the launch."""
+        return self.ns_check, self.ns_post, self.ns_met, self.ns_launch
+
 
 _LIB: Any = None
 _FAILED = False

@@ -144,6 +144,16 @@ template <> __device__ __forceinline__ blink_acc_t blink_acc_op<1>(blink_acc_t x
 template <> __device__ __forceinline__ blink_acc_t blink_acc_op<2>(blink_acc_t x, blink_acc_t y) { return blink_acc_max(x, y); }
 template <> __device__ __forceinline__ blink_acc_t blink_acc_op<3>(blink_acc_t x, blink_acc_t y) { return blink_acc_product(x, y); }
 
+/* acc = op(acc, v's elements), elementwise, in blink_acc_t. */
+template <int OP>
+__device__ __forceinline__ void blink_fold(blink_acc_t* acc, const BlinkVec& v) {
+    const int E = 16 / sizeof(blink_t);
+    blink_acc_t x[E];
+    blink_unpack(v, x);
+#pragma unroll
+    for (int k = 0; k < E; ++k) acc[k] = blink_acc_op<OP>(acc[k], x[k]);
+}
+
 /* [lo, hi) split into a scalar head, 16-byte vectors and a scalar tail (vectors only where vec). */
 __device__ __forceinline__ void blink_split(const BlinkArgs& a, long long lo, long long hi, long long* vlo,
                                             long long* vhi) {
@@ -200,12 +210,7 @@ __device__ void blink_reduce_range(const BlinkArgs& a, const int* src, int nsrc,
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 blink_unpack(s0[u], acc[u]);
-                if (BLINK_FIRST_LOADS > 1) {
-                    blink_acc_t x[E];
-                    blink_unpack(s1[u], x);
-#pragma unroll
-                    for (int k = 0; k < E; ++k) acc[u][k] = blink_acc_op<OP>(acc[u][k], x[k]);
-                }
+                if (BLINK_FIRST_LOADS > 1) blink_fold<OP>(acc[u], s1[u]);
             }
         }
 #pragma unroll
@@ -224,12 +229,7 @@ __device__ void blink_reduce_range(const BlinkArgs& a, const int* src, int nsrc,
                 for (int b = 0; b < BLINK_BATCH; ++b) {
                     if (b == 0 || j + b < nsrc) {
 #pragma unroll
-                        for (int u = 0; u < U; ++u) {
-                            blink_acc_t x[E];
-                            blink_unpack(t[b][u], x);
-#pragma unroll
-                            for (int k = 0; k < E; ++k) acc[u][k] = blink_acc_op<OP>(acc[u][k], x[k]);
-                        }
+                        for (int u = 0; u < U; ++u) blink_fold<OP>(acc[u], t[b][u]);
                     }
                 }
             }
@@ -249,10 +249,7 @@ __device__ void blink_reduce_range(const BlinkArgs& a, const int* src, int nsrc,
         for (int j = 1; j < nsrc; ++j) {
             BlinkVec t;
             t.u = BLINK_SRC(j)[v];
-            blink_acc_t x[E];
-            blink_unpack(t, x);
-#pragma unroll
-            for (int k = 0; k < E; ++k) acc[k] = blink_acc_op<OP>(acc[k], x[k]);
+            blink_fold<OP>(acc, t);
         }
         BlinkVec out;
         blink_pack(out, acc, finish);
