@@ -256,7 +256,7 @@ def test_device_kernels_compile_for_sm90_without_spills(tmp_path, dt: str) -> No
                           capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr
     usage = [line for line in proc.stderr.splitlines() if "spill" in line]
-    assert len(usage) == len(KERNEL_OPS), proc.stderr
+    assert len(usage) == len(KERNEL_OPS) + 1, proc.stderr  # and the gate
     spilled = [int(m) for m in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
     assert max(spilled) <= (0 if dt in SPILL_FREE else 32), proc.stderr
     regs = [int(m) for m in re.findall(r"Used (\d+) registers", proc.stderr)]

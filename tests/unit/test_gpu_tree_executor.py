@@ -23,7 +23,7 @@ from support.ranks import rank_outcomes, run_ranks
 
 from blink_horovod.errors import BlinkInternalError, BlinkTimeoutError, MismatchError
 from blink_horovod.runtime import communicator as cm
-from blink_horovod.runtime.gpu.tree_executor import ARGS_DTYPE, THREADS, TreeExecutor
+from blink_horovod.runtime.gpu.tree_executor import ARGS_DTYPE, GATE, THREADS, TreeExecutor
 from blink_horovod.runtime.gpu.work import ITEM_DTYPE, TREE_DTYPE
 from blink_horovod.runtime.loopback import LoopbackWorld
 from blink_horovod.runtime.shm import ShmTransport
@@ -45,7 +45,8 @@ class FakeCuda:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.next = (rank + 1) << 32
-        self.launches: list[tuple] = []  # (args, grid, block, stream, function)
+        self.launches: list[tuple] = []  # (args, grid, block, stream, function) of the tree kernels
+        self.gates: list[tuple] = []  # the same of the gate kernels (BLINK_GPU_GATE)
         self.tables: dict[int, np.ndarray] = {}
         self.handles_taken: list[int] = []
         self.opened: list[bytes] = []
@@ -140,7 +141,7 @@ class FakeCuda:
     def launch_kernel(self, fn, grid: int, block: int, stream: int, params: int) -> None:
         args_ptr = ctypes.c_void_p.from_address(params).value
         args = np.frombuffer(ctypes.string_at(args_ptr, ARGS_DTYPE.itemsize), ARGS_DTYPE).copy()
-        self.launches.append((args, grid, block, stream, fn))
+        (self.gates if fn == GATE else self.launches).append((args, grid, block, stream, fn))
 
     # What the native repeat (runtime/gpu/_replay.c) launches through: a function with cuLaunchKernel's
     # signature, here a recorder that keeps what launch_kernel keeps.
@@ -160,14 +161,16 @@ class FakeCuda:
         self._attribute = self._ATTRIBUTE(attribute)
         return ctypes.cast(self._attribute, ctypes.c_void_p).value
 
+    _NAMES = ["blink_trees_sum", "blink_trees_min", "blink_trees_max", "blink_trees_product", GATE]
+
     def function_address(self, fn) -> int:
-        return 0x1000 + ["blink_trees_sum", "blink_trees_min", "blink_trees_max", "blink_trees_product"].index(fn)
+        return 0x1000 + self._NAMES.index(fn)
 
     def launch_address(self) -> int:
-        names = ["blink_trees_sum", "blink_trees_min", "blink_trees_max", "blink_trees_product"]
+        names = self._NAMES
 
         def launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
-            self.native_launches += 1
+            self.native_launches += names[function - 0x1000] != GATE
             self.launch_kernel(names[function - 0x1000], gx, bx, stream or 0, params)
             return self.launch_error
 
@@ -465,7 +468,8 @@ def test_a_failed_native_launch_is_raised_naming_the_cuda_error() -> None:
         comm._executor._closed = True
         comm._executor.t.close()
 
-    assert run(n, body, close, world="shm") == [2, 2]  # rank 0's failed launch is counted as tried
+    # rank 0's failed launch was its gate's (launched first): no tree kernel followed it
+    assert run(n, body, close, world="shm") == [1, 2]
 
 
 def test_ranks_sharing_a_gpu_without_mps_are_warned(tmp_path, monkeypatch, caplog) -> None:
@@ -527,3 +531,45 @@ def test_what_one_rank_says_of_the_gpu_shrinks_every_ranks_grid(setting: dict, e
     out = run_ranks(rank, 2, timeout=60)
     slots = 132 * FakeCuda(0).blocks_per_sm(None, 512)
     assert out == [(expect[0], expect[1](slots))] * 2
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_tree_kernel_is_behind_a_gate_on_the_same_stream(world: str) -> None:
+    # ``BLINK_GPU_GATE`` (default on): one block, the same parameters (so the same epoch) and the same
+    # stream as the tree kernel that follows it, on the first call and on every repeat (native or not).
+    n = 2
+
+    def body(r, comm, cuda):
+        x = tensor_at(cuda, 0, 256)
+        for _ in range(4):
+            comm.allreduce(x, name="g")
+        comm.broadcast(x, root=1, name="b")
+        return cuda.gates, cuda.launches
+
+    for gates, launches in run(n, body, world=world):
+        assert len(gates) == len(launches) == 5
+        for (ga, grid, block, gs, _), (ta, _, _, ts, _) in zip(gates, launches):
+            assert grid == 1 and block == 32 and gs == ts
+            assert ga[0]["epoch"] == ta[0]["epoch"] and ga[0]["gate_word"] == ta[0]["gate_word"] > 0
+
+
+def test_one_rank_without_the_gate_turns_it_off_for_all() -> None:
+    # A rank without the gate never posts the word its peers' gates would wait for.
+    world = LoopbackWorld(2)
+
+    def rank(r: int):
+        cuda = FakeCuda(r)
+        ex = TreeExecutor(world.transport(r), 20.0, 10.0, cuda=cuda, gate=r == 1)
+        try:
+            return ex.gate
+        finally:
+            ex.close()
+
+    assert run_ranks(rank, 2, timeout=60) == [False, False]
+
+
+def test_a_gate_that_gave_up_is_named() -> None:
+    from blink_horovod.runtime.gpu.tree_executor import _waited
+
+    assert _waited((0 << 16) | (4 << 8) | 3, 8) == "rank 10's stream to reach this collective (the gate)"
+

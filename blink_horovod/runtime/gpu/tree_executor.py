@@ -15,6 +15,9 @@ per dtype, and a collective is:
 Nothing tests whether a peer shares this GPU to take a shortcut: peers' memory is always reached through
 their CUDA IPC mappings.  Where ranks share a GPU only the number of blocks changes: every rank's blocks
 must be resident at once (blocks spin on peers' flags), so each rank takes its share of the SMs.
+Before the tree kernel a one-thread gate kernel waits until every rank's stream has reached the
+collective (``BLINK_GPU_GATE``), so that no rank's blocks hold SM slots while a peer is still behind
+earlier work of its own.
 
 Flags are device words (``trees.cu``); the abort and error words are mapped host memory, so the host
 stops its kernel's waits with a plain store and reads a device-found timeout without a CUDA call.
@@ -51,8 +54,10 @@ OPS = {"sum": 0, "average": 0, "min": 1, "max": 2, "product": 3}
 # trees.cu's phases (1 reduce up the trees, 2 broadcast down) of each kind of collective: the hierarchical
 # stages run the allreduce plan's phases apart, so that local rank i's segment crosses servers in between.
 PHASES = {"allreduce": 3, "broadcast": 2, "reduce_to_roots": 1, "broadcast_from_roots": 2}
-_RED, _FIN, _DONE = 0, MAX_ITEMS, 2 * MAX_ITEMS
-FLAG_WORDS = 2 * MAX_ITEMS + MAX_BLOCKS
+_RED, _FIN, _DONE, _GATE = 0, MAX_ITEMS, 2 * MAX_ITEMS, 2 * MAX_ITEMS + MAX_BLOCKS
+FLAG_WORDS = 2 * MAX_ITEMS + MAX_BLOCKS + 1
+GATE = "blink_gate"  # trees.cu's gate kernel (BLINK_GPU_GATE)
+GATE_THREADS = 32
 _TABLES = 64  # work tables kept on the device
 _SPIN_S = 0.05
 
@@ -62,7 +67,7 @@ ARGS_DTYPE = np.dtype([
     ("items", "<u8"), ("trees", "<u8"), ("timeout_ns", "<u8"), ("ctl", "<u8"),
     ("nitems", "<i4"), ("rank", "<i4"), ("nranks", "<i4"), ("phases", "<i4"),
     ("average_n", "<i4"), ("vec", "<i4"), ("red_word", "<i4"), ("fin_word", "<i4"),
-    ("done_word", "<i4"), ("pad", "<i4"),
+    ("done_word", "<i4"), ("gate_word", "<i4"),
 ], align=True)
 
 
@@ -95,10 +100,13 @@ class TreeExecutor:
     sm_share : float
         ``BLINK_GPU_SM_SHARE``: the share of the GPU's block slots the kernels of its ranks take together
         (the smallest of the ranks' settings holds: every rank launches the same grid).
+    gate : bool
+        ``BLINK_GPU_GATE``: launch the gate kernel before each tree kernel (on where every rank asks for
+        it: a rank without the gate never posts the word its peers' gates wait for).
     """
 
     def __init__(self, transport: Transport, timeout: float, stall: float, device: int | None = None,
-                 cuda: Any = None, sharers: int = 1, sm_share: float = 1.0) -> None:
+                 cuda: Any = None, sharers: int = 1, sm_share: float = 1.0, gate: bool = True) -> None:
         self.t = transport
         self.rank, self.nranks = transport.rank, transport.nranks
         if self.nranks > MAX_RANKS:
@@ -152,6 +160,8 @@ class TreeExecutor:
         self.blocks = 1
         self._sharers = max(1, int(sharers))
         self._sm_share = float(sm_share)
+        self.gate = bool(gate)
+        self._gates: dict[str, Any] = {}  # dtype -> its module's gate kernel
         self._setup()
         # A repeat's host path in one native call where the transport is shared memory (not threads).
         self._native_path = native_replay.NativeReplay.create(transport, cuda)
@@ -165,7 +175,7 @@ class TreeExecutor:
         fn = self._function("float32", "sum")
         per_sm = max(1, c.blocks_per_sm(fn, THREADS))
         mine = {"flags": c.ipc_handle(self._own_flags).hex(), "bus": c.pci_bus_id(), "sms": int(c.sms),
-                "per_sm": per_sm, "sharers": self._sharers, "share": self._sm_share}
+                "per_sm": per_sm, "sharers": self._sharers, "share": self._sm_share, "gate": self.gate}
         self.seq += 1
         payloads = self.t.exchange_meta(self.seq, metadata.encode({"collective": "gpu setup"}, mine), ctx)
         peers = metadata.check_agreement(payloads, self.seq)
@@ -178,6 +188,7 @@ class TreeExecutor:
         self.ranks_on_device = max(max(sum(1 for f in peers if f["bus"] == e["bus"]) for e in peers),
                                    max(int(e.get("sharers", 1)) for e in peers))
         share = min(float(e.get("share", 1.0)) for e in peers)  # BLINK_GPU_SM_SHARE: the smallest holds
+        self.gate = all(bool(e.get("gate", True)) for e in peers)  # BLINK_GPU_GATE: on where all ask for it
         self.blocks = max(1, min(MAX_BLOCKS, int(min(int(e["sms"]) * int(e["per_sm"]) for e in peers) * share)
                                  // self.ranks_on_device))
         for q, e in enumerate(peers):
@@ -185,11 +196,11 @@ class TreeExecutor:
         a = self._args[0]
         a["flags"][: self.nranks] = self._flag_ptrs
         a["rank"], a["nranks"] = self.rank, self.nranks
-        a["red_word"], a["fin_word"], a["done_word"] = _RED, _FIN, _DONE
+        a["red_word"], a["fin_word"], a["done_word"], a["gate_word"] = _RED, _FIN, _DONE, _GATE
         a["ctl"] = self._ctl_host
         a["timeout_ns"] = int(self.timeout * 1e9)
-        log.debug("GPU executor: rank %d, %d ranks on its GPU (%d of them this rank's), %d blocks of %d threads",
-                  self.rank, self.ranks_on_device, sharing, self.blocks, THREADS)
+        log.debug("GPU executor: rank %d, %d ranks on its GPU (%d of them this rank's), %d blocks of %d threads, "
+                  "gate %s", self.rank, self.ranks_on_device, sharing, self.blocks, THREADS, "on" if self.gate else "off")
         if sharing > 1 and self.rank == 0 and not mps_active():
             log.warning("Blink: %d ranks share GPU %s without MPS: their kernels are time-sliced and every wait for a "
                         "peer costs a slice; start the MPS daemon (nvidia-cuda-mps-control -d) before the job",
@@ -205,6 +216,7 @@ class TreeExecutor:
 
             for op in KERNEL_OPS:
                 mod.get_function(kernel_name(op))
+            self._gates[dtype] = mod.get_function(GATE)
             self._modules[dtype] = mod
         return mod
 
@@ -242,6 +254,7 @@ class TreeExecutor:
             t0 = time.perf_counter()
             ptr = int(arr.ptr) if arr is not None and arr.size else 0
             fn = self._function(dtype, op or "sum") if ptr else None  # before any peer can wait on this rank
+            gate = self._gates[dtype] if ptr and self.gate else None
             itemsize = numpy_dtype(dtype).itemsize
             # Work tables are uploaded with a wait for the device: before the exchange, where no peer can
             # yet spin on this rank's kernel for this collective, when the plan is known.
@@ -280,6 +293,8 @@ class TreeExecutor:
             if self._trace:
                 log.debug("rank %d: %s: launch seq %d epoch %d (%s, %d elements, %d items, stream %#x)", self.rank,
                           label, self.seq, self.epoch, kind, arr.size, work.nitems, sp)
+            if gate is not None:
+                self.cuda.launch_kernel(gate, 1, GATE_THREADS, sp, self._params)
             self.cuda.launch_kernel(fn, work.blocks, THREADS, sp, self._params)
             self._pending.add(sp)
             self._launched = True
@@ -289,13 +304,13 @@ class TreeExecutor:
             self.last_launch_seconds = time.perf_counter() - t1
             self.last_native = None
             if replay_key is not None and not extras:
-                self._remember(replay_key, label, ptr, work.blocks, fn)
+                self._remember(replay_key, label, ptr, work.blocks, fn, gate)
             return all_extras
         except BaseException as exc:
             self.fail(exc)
             raise
 
-    def _remember(self, key: Any, label: str, ptr: int, grid: int, fn: Any) -> None:
+    def _remember(self, key: Any, label: str, ptr: int, grid: int, fn: Any, gate: Any) -> None:
         """Keep what :meth:`replay` needs to run this collective again: the payload sent, the payloads
         received, and the kernel's parameters (the epoch aside)."""
         args = self._args.copy()
@@ -307,7 +322,7 @@ class TreeExecutor:
         if g and g[2]:  # the handle went with the first use; a replay sends none (peers have the mapping)
             payload = metadata.encode(checked, {**mine, "g": [g[0], g[1], None, g[3]]})
         rec = self._replays[key] = _Replay(label, ptr, self.cuda.buffer_id(ptr), payload, self._decoded[0], args,
-                                           argp, grid, fn)
+                                           argp, grid, fn, gate)
         self._prepare_native(rec)
 
     @property
@@ -326,7 +341,8 @@ class TreeExecutor:
         if self._native is not None:
             rec.native = self._native.prepare(rec.payload, rec.payloads, self.cuda.function_address(rec.fn), rec.grid,
                                               THREADS, ctypes.addressof(rec.argp), rec.args.ctypes.data, rec.ptr,
-                                              rec.bid)
+                                              rec.bid, self.cuda.function_address(rec.gate) if rec.gate else 0,
+                                              GATE_THREADS)
 
     def replay(self, key: Any, ptr: int, stream: int | None) -> bool:
         """Launch again the collective last run with ``replay_key=key`` (same metadata, same tensor); False
@@ -386,6 +402,8 @@ class TreeExecutor:
                     self._mapped(ctx)
             t1 = time.perf_counter()
             rec.epoch.value = self.epoch  # args' first field, through ctypes: a tenth of numpy's field store
+            if rec.gate is not None:
+                self.cuda.launch_kernel(rec.gate, 1, GATE_THREADS, sp, ctypes.addressof(rec.argp))
             self.cuda.launch_kernel(rec.fn, rec.grid, THREADS, sp, ctypes.addressof(rec.argp))
             self._pending.add(sp)
             self.last_meta_seconds = t1 - t0
@@ -596,14 +614,15 @@ def _new_mappings(all_extras: Sequence[Mapping[str, Any]]) -> bool:
 class _Replay:
     """What :meth:`TreeExecutor.replay` needs to launch a collective again."""
 
-    __slots__ = ("argp", "args", "base", "bid", "epoch", "fn", "grid", "native", "payload", "payloads", "ptr")
+    __slots__ = ("argp", "args", "base", "bid", "epoch", "fn", "gate", "grid", "native", "payload", "payloads",
+                 "ptr")
 
     def __init__(self, label: str, ptr: int, bid: int, payload: bytes, payloads: list[bytes], args: np.ndarray,
-                 argp: Any, grid: int, fn: Any) -> None:
+                 argp: Any, grid: int, fn: Any, gate: Any) -> None:
         # The label without the first call's number: a repeat's errors name the collective it is.
         self.base = _NUMBERED.sub("", label)
         self.ptr, self.bid, self.payload, self.payloads = ptr, bid, payload, payloads
-        self.args, self.argp, self.grid, self.fn = args, argp, grid, fn
+        self.args, self.argp, self.grid, self.fn, self.gate = args, argp, grid, fn, gate
         assert ARGS_DTYPE.fields["epoch"][1] == 0
         self.epoch = ctypes.c_uint64.from_address(args.ctypes.data)
         self.native: native_replay.PreparedCall | None = None  # TreeExecutor._prepare_native
@@ -619,10 +638,14 @@ def _waited(word: int, rank_offset: int = 0) -> str:
     peer, what, index = (word & 0xFF) - 1, (word >> 8) & 0xFF, word >> 16
     if peer < 0 or what not in _WAITED:
         return "a peer's flags"
+    if what == _WAIT_GATE:
+        return f"rank {peer + rank_offset}'s stream to reach this collective (the gate)"
     return f"rank {peer + rank_offset}'s {_WAITED[what]} {index}"
 
 
-_WAITED = {1: "reduce flag of item", 2: "broadcast flag of item", 3: "end-of-collective flag of block"}
+_WAIT_GATE = 4
+_WAITED = {1: "reduce flag of item", 2: "broadcast flag of item", 3: "end-of-collective flag of block",
+           _WAIT_GATE: "gate"}
 
 _NUMBERED = re.compile(r" \(collective \d+\)$")  # Communicator's labels end so
 
