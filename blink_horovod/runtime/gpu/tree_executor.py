@@ -216,7 +216,8 @@ class TreeExecutor:
 
             for op in KERNEL_OPS:
                 mod.get_function(kernel_name(op))
-            self._gates[dtype] = mod.get_function(GATE)
+            if self.gate:  # (never on where this rank does not gate: a kernel source without it may run)
+                self._gates[dtype] = mod.get_function(GATE)
             self._modules[dtype] = mod
         return mod
 
