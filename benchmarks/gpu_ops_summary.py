@@ -69,10 +69,11 @@ def main() -> None:
     print("| dtype | impl | step ms | compute ms | comm ms | allreduce ms | note |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for dt in ("float32", "bfloat16"):
-        for blink in ("0", "1"):
+        for blink, impl in (("0", "stock"), ("1", "blink"), ("nogate", "blink, BLINK_GPU_GATE=0")):
             p = out / f"step_{dt}_{blink}.log"
+            if blink == "nogate" and not p.exists():
+                continue
             m = re.findall(r"STEP (\{.*\})", p.read_text(errors="replace")) if p.exists() else []
-            impl = "blink" if blink == "1" else "stock"
             if not m:
                 print(f"| {dt} | {impl} | - | - | - | - | no result |")
                 continue
