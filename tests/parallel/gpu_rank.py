@@ -234,7 +234,54 @@ def scenario(name: str, rank: int, n: int, comm: Communicator, args: list[str]) 
             comm.synchronize()
 
         return out | expect_failure(body)
+    if name == "behind":
+        # Rank 0's stream is behind earlier work when rank 1 launches: a one-block kernel (200 ms), then a
+        # kernel with a block on every SM that needs a whole SM's shared memory.  Launched at once, rank 1's
+        # tree blocks (one to an SM) would leave that kernel no SM, and rank 0's tree kernel queued behind it
+        # never starts: the gate (BLINK_GPU_GATE) holds rank 1's tree kernel until rank 0's stream is there.
+        import cupy
+
+        hog, smem, sms = _hog()
+        xs = [device(host_values(rank, 1 << 18, "float32", "sum", seed=i), "float32") for i in range(3)]
+
+        def body() -> None:
+            for i, x in enumerate(xs):
+                if rank == 0:
+                    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                        hog((1,), (32,), (np.uint64(200_000_000),))
+                        hog((sms,), (128,), (np.uint64(50_000_000),), shared_mem=smem)
+                comm.allreduce(x, name=f"behind{i}")
+            comm.synchronize()
+
+        out |= expect_failure(body)
+        if out["raised"] is None:
+            out["wrong"] = sum(wrong(x, expected(n, 1 << 18, "float32", "sum", seed=i), "float32")
+                               for i, x in enumerate(xs))
+        return out
     raise SystemExit(f"unknown scenario {name}")
+
+
+_HOG = r"""
+extern "C" __global__ void hog(unsigned long long ns) {
+    extern __shared__ unsigned char smem[];
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+    if (t == 0) smem[threadIdx.x] = 1;
+}
+"""
+
+
+def _hog():
+    """A kernel that spins for ``ns`` nanoseconds, the most shared memory a block may take, and the SMs."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    dev = rt.getDevice()
+    smem = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMaxSharedMemoryPerBlockOptin", 97), dev)
+    k = cupy.RawKernel(_HOG, "hog")
+    k.max_dynamic_shared_size_bytes = smem
+    return k, smem, rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev)
 
 
 def expect_failure(body) -> dict:

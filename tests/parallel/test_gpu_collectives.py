@@ -110,6 +110,25 @@ def test_a_mismatch_found_on_the_device_names_the_ranks() -> None:
         assert out["seconds"] < 20, out
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("gate", ["1", "0"])
+def test_a_peer_behind_work_that_needs_whole_sms(gate: str) -> None:
+    # Rank 0's stream holds a kernel that needs a whole SM per block when rank 1 launches.  With the gate
+    # (the default) the collectives are exact; without it rank 1's spinning blocks may take every SM first:
+    # then the job must end with the device's timeout named on the ranks, never hang.
+    outs = run_ranks(2, "behind", timeout=150, env={"BLINK_TIMEOUT_SECONDS": "15", "BLINK_GPU_GATE": gate})
+    for out in outs:
+        print(f"BEHIND gate={gate} rank={out.get('rank')} raised={out.get('raised')} "
+              f"seconds={out.get('seconds', 0):.2f} wrong={out.get('wrong')} {out.get('message', '')[:200]}")
+    for out in outs:
+        assert out.get("rc") == 0, out
+        if gate == "1" or out["raised"] is None:
+            assert out["raised"] is None and out["wrong"] == 0, out
+        else:
+            assert out["raised"] in ("BlinkTimeoutError", "BlinkInternalError"), out
+            assert out["seconds"] < 60, out
+
+
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 
