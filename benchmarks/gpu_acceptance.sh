@@ -40,7 +40,7 @@ export BLINK_TIMEOUT_SECONDS=${BLINK_TIMEOUT_SECONDS:-60}
 export BLINK_PLAN_CACHE=${BLINK_PLAN_CACHE:-/tmp/blink-plans}
 export BLINK_GPU_GATE=${BLINK_GPU_GATE:-1}
 BUDGET=${BUDGET:-0}
-STEPS=${STEPS:-"ref n2 n4 n8 d4 d8 probe2 probe8 tests"}
+STEPS=${STEPS:-"ref n2 n4 n8 d4 d8 lat2 lat8 probe2 probe8 tests"}
 SIZES=${SIZES:-"-b 8 -e 1G -f 2"}
 ITERS=${ITERS:-"-n 5 -w 1"}
 START=$(date +%s)
@@ -72,6 +72,10 @@ want n4 && perf n4 4 hgx-h200:0,1,2,3 150 -d float,bfloat16 $SIZES $ITERS -c 1
 want n8 && perf n8 8 hgx-h200 180 -d float,bfloat16 $SIZES $ITERS -c 1
 want d4 && perf d4 4 dgx1v:0,1,2,3 150 -d float,bfloat16 $SIZES $ITERS -c 1
 want d8 && perf d8 8 dgx1v 180 -d float,bfloat16 $SIZES $ITERS -c 1
+# The small-message table (8 B .. 1 MB) with as many iterations a size as nccl-tests' latency runs take:
+# -n 5 above leaves one host synchronize per five collectives in each row's time.
+want lat2 && perf lat2 2 hgx-h200:0,1 90 -d float -b 8 -e 1M -f 2 -n ${LAT_ITERS:-200} -w 20 -c 1
+want lat8 && perf lat8 8 hgx-h200 120 -d float -b 8 -e 1M -f 2 -n ${LAT_ITERS:-200} -w 20 -c 1
 probe() {  # probe NAME RANKS TOPOLOGY
     log "start $1"
     BLINK_TOPOLOGY=$3 timeout -k 5 90 "${MPI[@]}" -np "$2" python3 benchmarks/gpu_latency_probe.py >"$OUT/$1.log" 2>&1

@@ -12,7 +12,7 @@ import os
 import sys
 
 NAMES = {"n2": "2, hgx-h200:0,1", "n4": "4, hgx-h200:0,1,2,3", "n8": "8, hgx-h200", "d4": "4, dgx1v:0,1,2,3",
-         "d8": "8, dgx1v", "ops": "4, hgx-h200:0,1,2,3, every dtype and op", "bcast": "4, hgx-h200:0,1,2,3, broadcast"}
+         "d8": "8, dgx1v", "lat2": "2, hgx-h200:0,1, latency run", "lat8": "8, hgx-h200, latency run", "ops": "4, hgx-h200:0,1,2,3, every dtype and op", "bcast": "4, hgx-h200:0,1,2,3, broadcast"}
 
 
 def _json(path: str):
@@ -43,7 +43,7 @@ def main(out: str) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for path in sorted(glob.glob(os.path.join(out, "*.json"))):
         name = os.path.basename(path)[:-5]
-        if name == "ref":
+        if name == "ref" or name.startswith("lat"):  # (the latency runs have their own table below)
             continue
         rows = _json(path)["rows"]
         for t in sorted({r["type"] for r in rows}):
@@ -64,6 +64,16 @@ def main(out: str) -> int:
             two = ref.get((n, 1 << 30))
             print(f"| {NAMES.get(name, name)} | {t} | {cell(256 << 20)} | {cell(1 << 30)} | "
                   f"{f'{two:.0f}' if two else '-'} | {lat} | {wrong} |")
+    lats = sorted(glob.glob(os.path.join(out, "lat*.json")))
+    if lats:  # the latency runs: 8 B .. 1 MB, many iterations a size
+        tables = {os.path.basename(p)[:-5]: _json(p)["rows"] for p in lats}
+        sizes = sorted({r["size"] for rows in tables.values() for r in rows})
+        print("\n| latency (us), float32 sum | " + " | ".join(f"{s} B" for s in sizes) + " |")
+        print("| --- |" + " --- |" * len(sizes))
+        for name, rows in tables.items():
+            by = {r["size"]: r for r in rows if r["type"] == "float" and r["time_us"] is not None}
+            print(f"| {NAMES.get(name, name)} | " + " | ".join(f"{by[s]['time_us']:.1f}" if s in by else "-"
+                                                              for s in sizes) + " |")
     probes = sorted(glob.glob(os.path.join(out, "probe*.log")))
     if probes:
         print("\n| probe | size, host path | per op in a loop (us, max over ranks) | host per call (us, max) | "
