@@ -292,8 +292,10 @@ class TreeExecutor:
             a["vec"] = vec
             sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
             if self._trace:
-                log.debug("rank %d: %s: launch seq %d epoch %d (%s, %d elements, %d items, stream %#x)", self.rank,
-                          label, self.seq, self.epoch, kind, arr.size, work.nitems, sp)
+                log.debug("rank %d: %s: launch seq %d epoch %d (%s, %d elements, %d items, %d blocks, %s, "
+                          "tables %#x/%#x, tensors %s, stream %#x)", self.rank, label, self.seq, self.epoch, kind,
+                          arr.size, work.nitems, work.blocks, dtype, items, trees,
+                          [hex(int(b)) for b in bufs[: self.nranks]], sp)
             if gate is not None:
                 self.cuda.launch_kernel(gate, 1, GATE_THREADS, sp, self._params)
             self.cuda.launch_kernel(fn, work.blocks, THREADS, sp, self._params)
@@ -373,8 +375,11 @@ class TreeExecutor:
             self.seq += 1
             self.epoch += 1
             if self._trace:
-                log.debug("rank %d: %s: repeat seq %d epoch %d (native call: %s, stream %#x)", self.rank, rec.base,
-                          self.seq, self.epoch, code, sp)
+                a = rec.args[0]
+                log.debug("rank %d: %s: repeat seq %d epoch %d (native call: %s, phases %d, %d items, %d blocks, "
+                          "tables %#x/%#x, tensors %s, stream %#x)", self.rank, rec.base, self.seq, self.epoch, code,
+                          a["phases"], a["nitems"], rec.grid, a["items"], a["trees"],
+                          [hex(int(b)) for b in a["buf"][: self.nranks]], sp)
             if code == native_replay.LAUNCHED:
                 self._pending.add(sp)
                 self.last_meta_seconds = time.perf_counter() - t0
