@@ -118,11 +118,11 @@ step_train() {
 step_step() {
     wait_build
     for dt in float32 bfloat16; do
-        # STEP_IMPLS: 0 stock, 1 Blink, nogate Blink with BLINK_GPU_GATE=0 (e.g. "1 nogate": stock measured before)
+        # STEP_IMPLS: 0 stock, 1 Blink, gate Blink with BLINK_GPU_GATE=1 (e.g. "1 gate": stock measured before)
         for impl in ${STEP_IMPLS:-0 1}; do
             in_time "step $dt $impl" || continue
             log "start step $dt $impl"
-            BLINK_ENABLE=$([ "$impl" = 0 ] && echo 0 || echo 1) BLINK_GPU_GATE=$([ "$impl" = nogate ] && echo 0 || echo 1) \
+            BLINK_ENABLE=$([ "$impl" = 0 ] && echo 0 || echo 1) BLINK_GPU_GATE=$([ "$impl" = gate ] && echo 1 || echo 0) \
                 timeout -k 5 $(cap 200) horovodrun -np 2 -H localhost:2 --gloo \
                 python3 benchmarks/gpu_step_time.py --dtype $dt ${STEP_DUMP:+--dump-after $STEP_DUMP} \
                 >"$OUT/step_${dt}_$impl.log" 2>&1

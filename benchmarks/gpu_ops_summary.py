@@ -69,9 +69,9 @@ def main() -> None:
     print("| dtype | impl | step ms | compute ms | comm ms | allreduce ms | note |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for dt in ("float32", "bfloat16"):
-        for blink, impl in (("0", "stock"), ("1", "blink"), ("nogate", "blink, BLINK_GPU_GATE=0")):
+        for blink, impl in (("0", "stock"), ("1", "blink"), ("gate", "blink, BLINK_GPU_GATE=1")):
             p = out / f"step_{dt}_{blink}.log"
-            if blink == "nogate" and not p.exists():
+            if blink == "gate" and not p.exists():
                 continue
             m = re.findall(r"STEP (\{.*\})", p.read_text(errors="replace")) if p.exists() else []
             if not m:

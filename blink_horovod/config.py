@@ -73,11 +73,12 @@ BLINK_STREAM_COPY = "BLINK_STREAM_COPY"
 # peers' flags while resident, so where compute kernels run beside the collectives (a backward pass
 # overlapping its gradients' allreduces), a smaller share leaves them SMs, as NCCL's channel limits do.
 BLINK_GPU_SM_SHARE = "BLINK_GPU_SM_SHARE"
-# Before its tree kernel, each rank's stream runs a one-thread gate kernel that posts "this stream has
+# 1: before its tree kernel, each rank's stream runs a one-thread gate kernel that posts "this stream has
 # reached collective e" and waits until every peer's stream has too; only then do the tree kernel's blocks
-# take their SM slots.  Without it a rank whose peer is still behind earlier work (a backward pass's GEMM)
-# spins on every slot it holds, and where ranks share a GPU that work may need exactly those slots.
-# 1 (default) or 0 (launch the tree kernel at once: one launch fewer per collective).
+# take their SM slots, so a rank whose peer is still behind earlier work (a backward pass's GEMMs) does not
+# spin on SMs that other streams' compute could use.  It costs one more launch a collective (3-5 us of host
+# time on an H100 under MPS), and the ops layer already launches a round only once every input is ready:
+# 0 (default) or 1.
 BLINK_GPU_GATE = "BLINK_GPU_GATE"
 
 ALL_VARIABLES = (
@@ -135,7 +136,7 @@ class Config:
     background_idle: bool = True
     stream_copy: bool = True
     gpu_sm_share: float = 1.0
-    gpu_gate: bool = True
+    gpu_gate: bool = False
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
@@ -207,5 +208,5 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         stream_copy=_flag(env, BLINK_STREAM_COPY, default=True),
         gpu_sm_share=env_number(env, BLINK_GPU_SM_SHARE, float, "a share of the GPU (0 < share <= 1)",
                                 lambda v: math.isfinite(v) and 0 < v <= 1, 1.0),
-        gpu_gate=_flag(env, BLINK_GPU_GATE, default=True),
+        gpu_gate=_flag(env, BLINK_GPU_GATE, default=False),
     )

@@ -15,8 +15,8 @@ per dtype, and a collective is:
 Nothing tests whether a peer shares this GPU to take a shortcut: peers' memory is always reached through
 their CUDA IPC mappings.  Where ranks share a GPU only the number of blocks changes: every rank's blocks
 must be resident at once (blocks spin on peers' flags), so each rank takes its share of the SMs.
-Before the tree kernel a one-thread gate kernel waits until every rank's stream has reached the
-collective (``BLINK_GPU_GATE``), so that no rank's blocks hold SM slots while a peer is still behind
+With ``BLINK_GPU_GATE=1`` a one-thread gate kernel before the tree kernel waits until every rank's
+stream has reached the collective, so that no rank's blocks hold SM slots while a peer is still behind
 earlier work of its own.
 
 Flags are device words (``trees.cu``); the abort and error words are mapped host memory, so the host
@@ -106,7 +106,7 @@ class TreeExecutor:
     """
 
     def __init__(self, transport: Transport, timeout: float, stall: float, device: int | None = None,
-                 cuda: Any = None, sharers: int = 1, sm_share: float = 1.0, gate: bool = True) -> None:
+                 cuda: Any = None, sharers: int = 1, sm_share: float = 1.0, gate: bool = False) -> None:
         self.t = transport
         self.rank, self.nranks = transport.rank, transport.nranks
         if self.nranks > MAX_RANKS:
@@ -188,7 +188,7 @@ class TreeExecutor:
         self.ranks_on_device = max(max(sum(1 for f in peers if f["bus"] == e["bus"]) for e in peers),
                                    max(int(e.get("sharers", 1)) for e in peers))
         share = min(float(e.get("share", 1.0)) for e in peers)  # BLINK_GPU_SM_SHARE: the smallest holds
-        self.gate = all(bool(e.get("gate", True)) for e in peers)  # BLINK_GPU_GATE: on where all ask for it
+        self.gate = all(bool(e.get("gate", False)) for e in peers)  # BLINK_GPU_GATE: on where all ask for it
         self.blocks = max(1, min(MAX_BLOCKS, int(min(int(e["sms"]) * int(e["per_sm"]) for e in peers) * share)
                                  // self.ranks_on_device))
         for q, e in enumerate(peers):
