@@ -69,10 +69,15 @@ def main() -> None:
     print("| dtype | impl | step ms | compute ms | comm ms | allreduce ms | note |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for dt in ("float32", "bfloat16"):
-        for blink, impl in (("0", "stock"), ("1", "blink"), ("gate", "blink, BLINK_GPU_GATE=1")):
+        for blink, impl in (("0", "stock"), ("1", "blink"), ("gate", "blink, BLINK_GPU_GATE=1"),
+                            ("share", "blink, BLINK_GPU_SM_SHARE below 1")):
             p = out / f"step_{dt}_{blink}.log"
-            if blink == "gate" and not p.exists():
+            if blink in ("gate", "share") and not p.exists():
                 continue
+            runs = [p, *sorted(out.glob(f"step_{dt}_{blink}.*.log"))]  # STEP_RUNS
+            if len(runs) > 1:
+                ended = sum(1 for q in runs if q.exists() and re.search(r'STEP \{"blink"', q.read_text(errors="replace")))
+                impl += f" ({ended} of {len(runs)} runs ended)"
             m = re.findall(r"STEP (\{.*\})", p.read_text(errors="replace")) if p.exists() else []
             if not m:
                 print(f"| {dt} | {impl} | - | - | - | - | no result |")
