@@ -70,7 +70,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for dt in ("float32", "bfloat16"):
         for blink, impl in (("0", "stock"), ("1", "blink"), ("gate", "blink, BLINK_GPU_GATE=1"),
-                            ("share", "blink, BLINK_GPU_SM_SHARE below 1")):
+                            ("share", "blink, BLINK_GPU_SM_SHARE=STEP_SHARE")):
             p = out / f"step_{dt}_{blink}.log"
             if blink in ("gate", "share") and not p.exists():
                 continue

@@ -69,9 +69,11 @@ BLINK_BACKGROUND_IDLE = "BLINK_BACKGROUND_IDLE"
 # memory bandwidth.  1 (default; numpy's copies where no C compiler is found) or 0 (numpy's copies).
 BLINK_STREAM_COPY = "BLINK_STREAM_COPY"
 # The share of each GPU's thread-block slots that the tree kernels of the ranks on it take together
-# (0 < share <= 1; default 1: all, the most memory parallelism).  A tree kernel's blocks spin on their
-# peers' flags while resident, so where compute kernels run beside the collectives (a backward pass
-# overlapping its gradients' allreduces), a smaller share leaves them SMs, as NCCL's channel limits do.
+# (0 < share <= 1).  A tree kernel's blocks spin on their peers' flags while resident, so where compute
+# kernels run beside the collectives (a backward pass overlapping its gradients' allreduces), a smaller
+# share leaves them SMs, as NCCL's channel limits do.  Unset: 1 (all, the most memory parallelism), but
+# 0.5 for CUDA tensors under Horovod where ranks share a GPU: there a rank's spinning blocks must leave
+# SMs free for its peers' compute kernels, which its peers' collectives may be queued behind.
 BLINK_GPU_SM_SHARE = "BLINK_GPU_SM_SHARE"
 # 1: before its tree kernel, each rank's stream runs a one-thread gate kernel that posts "this stream has
 # reached collective e" and waits until every peer's stream has too; only then do the tree kernel's blocks
@@ -135,7 +137,7 @@ class Config:
     mpi_yield: bool = True
     background_idle: bool = True
     stream_copy: bool = True
-    gpu_sm_share: float = 1.0
+    gpu_sm_share: float | None = None  # None: automatic (runtime/gpu/tree_executor.py, OVERLAP_SHARE)
     gpu_gate: bool = False
 
 
@@ -207,6 +209,6 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         background_idle=_flag(env, BLINK_BACKGROUND_IDLE, default=True),
         stream_copy=_flag(env, BLINK_STREAM_COPY, default=True),
         gpu_sm_share=env_number(env, BLINK_GPU_SM_SHARE, float, "a share of the GPU (0 < share <= 1)",
-                                lambda v: math.isfinite(v) and 0 < v <= 1, 1.0),
+                                lambda v: math.isfinite(v) and 0 < v <= 1, None),
         gpu_gate=_flag(env, BLINK_GPU_GATE, default=False),
     )

@@ -181,7 +181,7 @@ class TorchCudaStages:
 
             comm = Communicator(self.layout.local_rank, self.layout.local_size, None,
                                 _Suffixed(self.rendezvous, "g"), self.config, device="cuda",
-                                gpu_sharers=gpu_sharers(self.machine_ranks))
+                                gpu_sharers=gpu_sharers(self.machine_ranks), gpu_overlap=True)
             if comm.transport is not None:
                 comm.transport.rank_offset = self.layout.server * self.layout.local_size  # errors name global ranks
             t = comm.topology

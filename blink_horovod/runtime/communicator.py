@@ -182,6 +182,10 @@ class Communicator:
         On CUDA: how many ranks of the whole job share this rank's GPU, where the caller knows
         (servers of one job on one machine); the server's own ranks that share it are counted anyway.
         Each rank's kernel takes its share of the GPU's SMs, so that every spinning block is resident.
+    gpu_overlap : bool
+        On CUDA: compute kernels run beside the collectives (Horovod's gradients during a backward pass);
+        where ranks share a GPU their kernels then take half its block slots unless
+        ``BLINK_GPU_SM_SHARE`` says otherwise.
     """
 
     def __init__(
@@ -196,6 +200,7 @@ class Communicator:
         transport: Transport | None = None,
         planner: Planner | None = None,
         gpu_sharers: int = 1,
+        gpu_overlap: bool = False,
     ) -> None:
         self.config = config or load_config()
         if device not in ("cpu", "cuda"):
@@ -237,7 +242,7 @@ class Communicator:
                 log.warning("BLINK_FAULT=%s is ignored on CUDA tensors (CPU runtime only)", self.config.fault)
             self._executor = TreeExecutor(transport, self.config.timeout_seconds, self.config.stall_check_seconds,
                                           sharers=gpu_sharers, sm_share=self.config.gpu_sm_share,
-                                          gate=self.config.gpu_gate)
+                                          gate=self.config.gpu_gate, overlap=gpu_overlap)
         elif transport is not None:
             self._executor = Executor(transport, self.config.timeout_seconds, self.config.stall_check_seconds,
                                       self.config.fault, self.config.stream_copy)

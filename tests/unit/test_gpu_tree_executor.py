@@ -517,6 +517,10 @@ def test_a_peer_gone_while_the_gpu_works_is_named_by_synchronize() -> None:
     # ``BLINK_GPU_SM_SHARE``: the kernels of the GPU's ranks take that share of its block slots together,
     # and every rank launches the grid of the smallest share any rank asked for.
     ({"sm_share": 0.5}, (2, lambda slots: int(slots * 0.5) // 2)),
+    # Compute beside the collectives (the ops layer under Horovod) on a shared GPU: half the slots unless
+    # some rank set BLINK_GPU_SM_SHARE (the smallest set holds).
+    ({"overlap": True}, (2, lambda slots: int(slots * 0.5) // 2)),
+    ({"overlap": True, "sm_share": 0.75}, (2, lambda slots: int(slots * 0.75) // 2)),
 ])
 def test_what_one_rank_says_of_the_gpu_shrinks_every_ranks_grid(setting: dict, expect: tuple) -> None:
     world = LoopbackWorld(2)
@@ -572,4 +576,13 @@ def test_a_gate_that_gave_up_is_named() -> None:
     from blink_horovod.runtime.gpu.tree_executor import _waited
 
     assert _waited((0 << 16) | (4 << 8) | 3, 8) == "rank 10's stream to reach this collective (the gate)"
+
+
+def test_the_overlap_share_holds_only_where_ranks_share_a_gpu() -> None:
+    from blink_horovod.runtime.gpu.tree_executor import OVERLAP_SHARE, _agreed_share
+
+    alone, shared = [{"overlap": True}, {}], [{"overlap": True}, {"share": None}]
+    assert _agreed_share(alone, 1) == 1.0 and _agreed_share(shared, 2) == OVERLAP_SHARE
+    assert _agreed_share([{}, {}], 2) == 1.0  # blink perf and direct users: no compute beside
+    assert _agreed_share([{"share": 0.9, "overlap": True}, {"share": 1.0}], 2) == 0.9
 

@@ -12,7 +12,7 @@ from blink_horovod.units import format_size, parse_size
 def test_defaults() -> None:
     cfg = config.load_config({})
     assert not cfg.enable and cfg.timeout_seconds == 600 and cfg.stall_check_seconds == 60
-    assert cfg.chunk_bytes is None and cfg.log_level == "warning" and cfg.gpu_sm_share == 1.0
+    assert cfg.chunk_bytes is None and cfg.log_level == "warning" and cfg.gpu_sm_share is None
     assert not cfg.gpu_gate
 
 

@@ -97,16 +97,20 @@ class TreeExecutor:
         ``BLINK_TIMEOUT_SECONDS`` and ``BLINK_STALL_CHECK_SECONDS``.
     device : int, optional
         CUDA device; default the current one.
-    sm_share : float
+    sm_share : float, optional
         ``BLINK_GPU_SM_SHARE``: the share of the GPU's block slots the kernels of its ranks take together
-        (the smallest of the ranks' settings holds: every rank launches the same grid).
+        (the smallest of the ranks' settings holds: every rank launches the same grid).  None: 1, or
+        :data:`OVERLAP_SHARE` where ranks share a GPU and some rank says ``overlap``.
+    overlap : bool
+        Compute kernels run beside the collectives (a training step's backward pass under Horovod).
     gate : bool
         ``BLINK_GPU_GATE``: launch the gate kernel before each tree kernel (on where every rank asks for
         it: a rank without the gate never posts the word its peers' gates wait for).
     """
 
     def __init__(self, transport: Transport, timeout: float, stall: float, device: int | None = None,
-                 cuda: Any = None, sharers: int = 1, sm_share: float = 1.0, gate: bool = False) -> None:
+                 cuda: Any = None, sharers: int = 1, sm_share: float | None = None, gate: bool = False,
+                 overlap: bool = False) -> None:
         self.t = transport
         self.rank, self.nranks = transport.rank, transport.nranks
         if self.nranks > MAX_RANKS:
@@ -159,7 +163,9 @@ class TreeExecutor:
         self._peers = [q for q in range(self.nranks) if q != self.rank]  # a kernel waits on every one of them
         self.blocks = 1
         self._sharers = max(1, int(sharers))
-        self._sm_share = float(sm_share)
+        self._sm_share = None if sm_share is None else float(sm_share)
+        self._overlap = bool(overlap)
+        self.sm_share = 1.0  # as agreed in the setup
         self.gate = bool(gate)
         self._gates: dict[str, Any] = {}  # dtype -> its module's gate kernel
         self._setup()
@@ -175,7 +181,8 @@ class TreeExecutor:
         fn = self._function("float32", "sum")
         per_sm = max(1, c.blocks_per_sm(fn, THREADS))
         mine = {"flags": c.ipc_handle(self._own_flags).hex(), "bus": c.pci_bus_id(), "sms": int(c.sms),
-                "per_sm": per_sm, "sharers": self._sharers, "share": self._sm_share, "gate": self.gate}
+                "per_sm": per_sm, "sharers": self._sharers, "share": self._sm_share, "gate": self.gate,
+                "overlap": self._overlap}
         self.seq += 1
         payloads = self.t.exchange_meta(self.seq, metadata.encode({"collective": "gpu setup"}, mine), ctx)
         peers = metadata.check_agreement(payloads, self.seq)
@@ -187,8 +194,9 @@ class TreeExecutor:
         # this server's ranks do (servers of a job on one machine, as tests run them).
         self.ranks_on_device = max(max(sum(1 for f in peers if f["bus"] == e["bus"]) for e in peers),
                                    max(int(e.get("sharers", 1)) for e in peers))
-        share = min(float(e.get("share", 1.0)) for e in peers)  # BLINK_GPU_SM_SHARE: the smallest holds
+        share = _agreed_share(peers, self.ranks_on_device)
         self.gate = all(bool(e.get("gate", False)) for e in peers)  # BLINK_GPU_GATE: on where all ask for it
+        self.sm_share = share
         self.blocks = max(1, min(MAX_BLOCKS, int(min(int(e["sms"]) * int(e["per_sm"]) for e in peers) * share)
                                  // self.ranks_on_device))
         for q, e in enumerate(peers):
@@ -199,8 +207,9 @@ class TreeExecutor:
         a["red_word"], a["fin_word"], a["done_word"], a["gate_word"] = _RED, _FIN, _DONE, _GATE
         a["ctl"] = self._ctl_host
         a["timeout_ns"] = int(self.timeout * 1e9)
-        log.debug("GPU executor: rank %d, %d ranks on its GPU (%d of them this rank's), %d blocks of %d threads, "
-                  "gate %s", self.rank, self.ranks_on_device, sharing, self.blocks, THREADS, "on" if self.gate else "off")
+        log.debug("GPU executor: rank %d, %d ranks on its GPU (%d of them this rank's), %d blocks of %d threads "
+                  "(share %g), gate %s", self.rank, self.ranks_on_device, sharing, self.blocks, THREADS, share,
+                  "on" if self.gate else "off")
         if sharing > 1 and self.rank == 0 and not mps_active():
             log.warning("Blink: %d ranks share GPU %s without MPS: their kernels are time-sliced and every wait for a "
                         "peer costs a slice; start the MPS daemon (nvidia-cuda-mps-control -d) before the job",
@@ -636,6 +645,25 @@ class _Replay:
     def named(self, seq: int) -> str:
         """This repeat's label as collective ``seq``."""
         return f"{self.base} (collective {seq})"
+
+
+# The share of a GPU's block slots that the ranks sharing it take together where compute kernels run beside
+# the collectives.  Why: rank r's collective may be queued behind its own compute kernel on another stream
+# (the backward pass goes on while the gradients' allreduces run), and a compute kernel whose blocks each
+# need a whole SM cannot start while every SM holds a peer's spinning block; the peer then spins until its
+# timeout, waiting for rank r's kernel (seen on an H100 under MPS: a 103 M parameter training step).  With
+# every rank's kernel at most half the slots (one block per SM at most), the ranks whose kernels spin leave
+# SMs free for that compute kernel.
+OVERLAP_SHARE = 0.5
+
+
+def _agreed_share(peers: Sequence[Mapping[str, Any]], ranks_on_device: int) -> float:
+    """The share every rank uses: the smallest any rank set (``BLINK_GPU_SM_SHARE``); none set: 1, or
+    :data:`OVERLAP_SHARE` where ranks share a GPU and some rank runs compute beside the collectives."""
+    set_ = [float(e["share"]) for e in peers if e.get("share") is not None]
+    if set_:
+        return min(set_)
+    return OVERLAP_SHARE if ranks_on_device > 1 and any(e.get("overlap") for e in peers) else 1.0
 
 
 def _waited(word: int, rank_offset: int = 0) -> str:
