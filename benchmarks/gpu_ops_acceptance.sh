@@ -127,8 +127,8 @@ step_step() {
                 name=step_${dt}_$impl$([ "$k" -gt 1 ] && echo ".$k")
                 in_time "$name" || continue
                 log "start $name"
-                BLINK_ENABLE=$([ "$impl" = 0 ] && echo 0 || echo 1) BLINK_GPU_GATE=$([ "$impl" = gate ] && echo 1 || echo 0) \
-                    BLINK_GPU_SM_SHARE=$([ "$impl" = share ] && echo "${STEP_SHARE:-1}" || echo "${BLINK_GPU_SM_SHARE:-1}") \
+                env BLINK_ENABLE=$([ "$impl" = 0 ] && echo 0 || echo 1) BLINK_GPU_GATE=$([ "$impl" = gate ] && echo 1 || echo 0) \
+                    $([ "$impl" = share ] && echo "BLINK_GPU_SM_SHARE=${STEP_SHARE:-1}") \
                     timeout -k 5 $(cap 200) horovodrun -np 2 -H localhost:2 --gloo \
                     python3 benchmarks/gpu_step_time.py --dtype $dt ${STEP_DUMP:+--dump-after $STEP_DUMP} \
                     >"$OUT/$name.log" 2>&1
