@@ -651,9 +651,9 @@ class _Replay:
 # the collectives.  Why: rank r's collective may be queued behind its own compute kernel on another stream
 # (the backward pass goes on while the gradients' allreduces run), and a compute kernel whose blocks each
 # need a whole SM cannot start while every SM holds a peer's spinning block; the peer then spins until its
-# timeout, waiting for rank r's kernel (seen on an H100 under MPS: a 103 M parameter training step).  With
-# every rank's kernel at most half the slots (one block per SM at most), the ranks whose kernels spin leave
-# SMs free for that compute kernel.
+# timeout, waiting for rank r's kernel.  (The explanation that fits the stalls of a 103 M parameter
+# training step on an H100 under MPS: docs/integration.md.)  With every rank's kernel at most half the
+# slots, the ranks whose kernels spin leave SMs free for that compute kernel.
 OVERLAP_SHARE = 0.5
 
 
