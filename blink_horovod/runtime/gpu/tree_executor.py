@@ -165,7 +165,6 @@ class TreeExecutor:
         self._sharers = max(1, int(sharers))
         self._sm_share = None if sm_share is None else float(sm_share)
         self._overlap = bool(overlap)
-        self.sm_share = 1.0  # as agreed in the setup
         self.gate = bool(gate)
         self._gates: dict[str, Any] = {}  # dtype -> its module's gate kernel
         self._setup()
@@ -196,7 +195,6 @@ class TreeExecutor:
                                    max(int(e.get("sharers", 1)) for e in peers))
         share = _agreed_share(peers, self.ranks_on_device)
         self.gate = all(bool(e.get("gate", False)) for e in peers)  # BLINK_GPU_GATE: on where all ask for it
-        self.sm_share = share
         self.blocks = max(1, min(MAX_BLOCKS, int(min(int(e["sms"]) * int(e["per_sm"]) for e in peers) * share)
                                  // self.ranks_on_device))
         for q, e in enumerate(peers):
