@@ -161,7 +161,7 @@ class FakeCuda:
         self._attribute = self._ATTRIBUTE(attribute)
         return ctypes.cast(self._attribute, ctypes.c_void_p).value
 
-    _NAMES = ["blink_trees_sum", "blink_trees_min", "blink_trees_max", "blink_trees_product", GATE]
+    _NAMES = ("blink_trees_sum", "blink_trees_min", "blink_trees_max", "blink_trees_product", GATE)
 
     def function_address(self, fn) -> int:
         return 0x1000 + self._NAMES.index(fn)

@@ -128,7 +128,7 @@ class NativeReplay:
 
     def prepare(self, payload: bytes, payloads: Sequence[bytes], function: int, grid: int, block: int,
                 params: int, epoch_slot: int, ptr: int, bid: int, gate: int = 0,
-                gate_block: int = 32) -> PreparedCall:
+                gate_block: int = 0) -> PreparedCall:
         """A repeat of a collective whose payload is ``payload`` and whose peers sent ``payloads``, on the
         tensor at ``ptr`` in the allocation whose buffer id is ``bid``; ``gate``: the gate kernel launched
         first (one block of ``gate_block`` threads, same parameters), 0 for none."""
@@ -149,8 +149,8 @@ class PreparedCall:
     __slots__ = ("_expected", "_lens", "_offsets", "_payload", "call", "ref")
 
     def __init__(self, native: NativeReplay, payload: bytes, payloads: Sequence[bytes], function: int, grid: int,
-                 block: int, params: int, epoch_slot: int, ptr: int, bid: int, gate: int = 0,
-                 gate_block: int = 32) -> None:
+                 block: int, params: int, epoch_slot: int, ptr: int, bid: int, gate: int,
+                 gate_block: int) -> None:
         n = len(payloads)
         self._payload = ctypes.create_string_buffer(payload, max(1, len(payload)))
         blob = b"".join(payloads)

@@ -299,13 +299,8 @@ class TreeExecutor:
             a["vec"] = vec
             sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
             if self._trace:
-                log.debug("rank %d: %s: launch seq %d epoch %d (%s, %d elements, %d items, %d blocks, %s, "
-                          "tables %#x/%#x, tensors %s, stream %#x)", self.rank, label, self.seq, self.epoch, kind,
-                          arr.size, work.nitems, work.blocks, dtype, items, trees,
-                          [hex(int(b)) for b in bufs[: self.nranks]], sp)
-            if gate is not None:
-                self.cuda.launch_kernel(gate, 1, GATE_THREADS, sp, self._params)
-            self.cuda.launch_kernel(fn, work.blocks, THREADS, sp, self._params)
+                self._log_launch(label, f"launch, {kind} of {arr.size} {dtype}", a, work.blocks, sp)
+            self._launch(gate, fn, work.blocks, sp, self._params)
             self._pending.add(sp)
             self._launched = True
             if self._evicted:
@@ -382,11 +377,7 @@ class TreeExecutor:
             self.seq += 1
             self.epoch += 1
             if self._trace:
-                a = rec.args[0]
-                log.debug("rank %d: %s: repeat seq %d epoch %d (native call: %s, phases %d, %d items, %d blocks, "
-                          "tables %#x/%#x, tensors %s, stream %#x)", self.rank, rec.base, self.seq, self.epoch, code,
-                          a["phases"], a["nitems"], rec.grid, a["items"], a["trees"],
-                          [hex(int(b)) for b in a["buf"][: self.nranks]], sp)
+                self._log_launch(rec.base, f"repeat, native call {code}", rec.args[0], rec.grid, sp)
             if code == native_replay.LAUNCHED:
                 self._pending.add(sp)
                 self.last_meta_seconds = time.perf_counter() - t0
@@ -415,9 +406,7 @@ class TreeExecutor:
                     self._mapped(ctx)
             t1 = time.perf_counter()
             rec.epoch.value = self.epoch  # args' first field, through ctypes: a tenth of numpy's field store
-            if rec.gate is not None:
-                self.cuda.launch_kernel(rec.gate, 1, GATE_THREADS, sp, ctypes.addressof(rec.argp))
-            self.cuda.launch_kernel(rec.fn, rec.grid, THREADS, sp, ctypes.addressof(rec.argp))
+            self._launch(rec.gate, rec.fn, rec.grid, sp, ctypes.addressof(rec.argp))
             self._pending.add(sp)
             self.last_meta_seconds = t1 - t0
             self.last_launch_seconds = time.perf_counter() - t1
@@ -426,6 +415,19 @@ class TreeExecutor:
         except BaseException as exc:
             self.fail(exc)
             raise
+
+    def _launch(self, gate: Any, fn: Any, grid: int, stream: int, params: int) -> None:
+        """The gate kernel (where there is one: ``BLINK_GPU_GATE``), then the tree kernel, on ``stream`` with
+        the same parameters (``_replay.c`` launches the same two natively)."""
+        if gate is not None:
+            self.cuda.launch_kernel(gate, 1, GATE_THREADS, stream, params)
+        self.cuda.launch_kernel(fn, grid, THREADS, stream, params)
+
+    def _log_launch(self, label: str, how: str, a: Any, grid: int, stream: int) -> None:
+        """``BLINK_LOG_LEVEL=debug``: one line per launch, from the parameters the kernel gets (to compare ranks)."""
+        log.debug("rank %d: %s: seq %d epoch %d (%s, phases %d, %d items, %d blocks, tables %#x/%#x, tensors %s, "
+                  "stream %#x)", self.rank, label, self.seq, self.epoch, how, a["phases"], a["nitems"], grid,
+                  a["items"], a["trees"], [hex(int(b)) for b in a["buf"][: self.nranks]], stream)
 
     def _mapped(self, ctx: WaitContext) -> None:
         """Every rank has done this collective's work that may wait for the device; only then does any launch.
@@ -670,14 +672,12 @@ def _waited(word: int, rank_offset: int = 0) -> str:
     peer, what, index = (word & 0xFF) - 1, (word >> 8) & 0xFF, word >> 16
     if peer < 0 or what not in _WAITED:
         return "a peer's flags"
-    if what == _WAIT_GATE:
-        return f"rank {peer + rank_offset}'s stream to reach this collective (the gate)"
-    return f"rank {peer + rank_offset}'s {_WAITED[what]} {index}"
+    return f"rank {peer + rank_offset}'s {_WAITED[what].format(index)}"
 
 
-_WAIT_GATE = 4
-_WAITED = {1: "reduce flag of item", 2: "broadcast flag of item", 3: "end-of-collective flag of block",
-           _WAIT_GATE: "gate"}
+# trees.cu's BLINK_WAIT_* -> what was waited for ({} the item or block)
+_WAITED = {1: "reduce flag of item {}", 2: "broadcast flag of item {}", 3: "end-of-collective flag of block {}",
+           4: "stream to reach this collective (the gate)"}
 
 _NUMBERED = re.compile(r" \(collective \d+\)$")  # Communicator's labels end so
 
