@@ -13,8 +13,7 @@
 # BASE=DIR: first, the perf steps BASE_STEPS (default "n2 n8 d8", at BASE_SIZES, default 256 MB and
 # 1 GB) run from a copy of the tree whose runtime/gpu/ files are replaced by DIR's (an earlier kernel's
 # trees.cu and kernels.py), so that two kernels are compared in one call: $OUT/summary_base.md beside
-# $OUT/summary.md.  BASE_ENV: variables for that run (e.g. BLINK_GPU_GATE=0 for a kernel without
-# the gate kernel).
+# $OUT/summary.md.  BASE_ENV: variables for that run (e.g. BLINK_GPU_SM_SHARE=0.5).
 #
 # BUDGET=S: every step is skipped once fewer than 60 s of S are left, and the GPU tests' limit shrinks
 # to fit, so that the summary and the archive are written within S seconds.
@@ -38,7 +37,6 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export BLINK_TIMEOUT_SECONDS=${BLINK_TIMEOUT_SECONDS:-60}
 export BLINK_PLAN_CACHE=${BLINK_PLAN_CACHE:-/tmp/blink-plans}
-export BLINK_GPU_GATE=${BLINK_GPU_GATE:-0}
 BUDGET=${BUDGET:-0}
 STEPS=${STEPS:-"ref n2 n4 n8 d4 d8 lat2 lat8 probe2 probe8 tests"}
 SIZES=${SIZES:-"-b 8 -e 1G -f 2"}
@@ -48,7 +46,7 @@ START=$(date +%s)
 mps_start
 trap mps_stop EXIT
 MPI=(mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x BLINK_TIMEOUT_SECONDS
-     -x BLINK_PLAN_CACHE -x BLINK_TOPOLOGY -x BLINK_GPU_GATE -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY
+     -x BLINK_PLAN_CACHE -x BLINK_TOPOLOGY -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY
      -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS)
 log() { echo "[$(($(date +%s) - START)) s] $*" | tee -a "$OUT/steps.txt"; }
 perf() {  # perf NAME RANKS TOPOLOGY LIMIT ARGS...

@@ -119,7 +119,7 @@ step_step() {
     wait_build
     local k name
     for dt in float32 bfloat16; do
-        # STEP_IMPLS: 0 stock, 1 Blink, gate Blink with BLINK_GPU_GATE=1, share Blink with
+        # STEP_IMPLS: 0 stock, 1 Blink, share Blink with
         # BLINK_GPU_SM_SHARE=${STEP_SHARE:-1} (e.g. "1 share": stock measured before).  STEP_RUNS=K: each K
         # times (an intermittent stall is counted; the first run's log is step_DT_IMPL.log, then .2, .3, ...)
         for impl in ${STEP_IMPLS:-0 1}; do
@@ -127,7 +127,7 @@ step_step() {
                 name=step_${dt}_$impl$([ "$k" -gt 1 ] && echo ".$k")
                 in_time "$name" || continue
                 log "start $name"
-                env BLINK_ENABLE=$([ "$impl" = 0 ] && echo 0 || echo 1) BLINK_GPU_GATE=$([ "$impl" = gate ] && echo 1 || echo 0) \
+                env BLINK_ENABLE=$([ "$impl" = 0 ] && echo 0 || echo 1) \
                     $([ "$impl" = share ] && echo "BLINK_GPU_SM_SHARE=${STEP_SHARE:-1}") \
                     timeout -k 5 $(cap 200) horovodrun -np 2 -H localhost:2 --gloo \
                     python3 benchmarks/gpu_step_time.py --dtype $dt ${STEP_DUMP:+--dump-after $STEP_DUMP} \

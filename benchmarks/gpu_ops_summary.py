@@ -69,10 +69,9 @@ def main() -> None:
     print("| dtype | impl | step ms | compute ms | comm ms | allreduce ms | note |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for dt in ("float32", "bfloat16"):
-        for blink, impl in (("0", "stock"), ("1", "blink"), ("gate", "blink, BLINK_GPU_GATE=1"),
-                            ("share", "blink, BLINK_GPU_SM_SHARE=STEP_SHARE")):
+        for blink, impl in (("0", "stock"), ("1", "blink"), ("share", "blink, BLINK_GPU_SM_SHARE=STEP_SHARE")):
             p = out / f"step_{dt}_{blink}.log"
-            if blink in ("gate", "share") and not p.exists():
+            if blink == "share" and not p.exists():
                 continue
             runs = [p, *sorted(out.glob(f"step_{dt}_{blink}.*.log"))]  # STEP_RUNS
             if len(runs) > 1:

@@ -34,7 +34,6 @@ __all__ = [
     "BLINK_BACKGROUND_IDLE",
     "BLINK_STREAM_COPY",
     "BLINK_GPU_SM_SHARE",
-    "BLINK_GPU_GATE",
     "ALL_VARIABLES",
     "LAUNCHER_FLAGS",
     "Config",
@@ -75,13 +74,6 @@ BLINK_STREAM_COPY = "BLINK_STREAM_COPY"
 # 0.5 for CUDA tensors under Horovod where ranks share a GPU: there a rank's spinning blocks must leave
 # SMs free for its peers' compute kernels, which its peers' collectives may be queued behind.
 BLINK_GPU_SM_SHARE = "BLINK_GPU_SM_SHARE"
-# 1: before its tree kernel, each rank's stream runs a one-thread gate kernel that posts "this stream has
-# reached collective e" and waits until every peer's stream has too; only then do the tree kernel's blocks
-# take their SM slots, so a rank whose peer is still behind earlier work (a backward pass's GEMMs) does not
-# spin on SMs that other streams' compute could use.  It costs one more launch a collective (3-5 us of host
-# time on an H100 under MPS), and the ops layer already launches a round only once every input is ready:
-# 0 (default) or 1.
-BLINK_GPU_GATE = "BLINK_GPU_GATE"
 
 ALL_VARIABLES = (
     BLINK_ENABLE,
@@ -97,7 +89,6 @@ ALL_VARIABLES = (
     BLINK_BACKGROUND_IDLE,
     BLINK_STREAM_COPY,
     BLINK_GPU_SM_SHARE,
-    BLINK_GPU_GATE,
 )
 
 # blinkrun flag -> variable (one-to-one, as Horovod's launcher argument groups).
@@ -138,7 +129,6 @@ class Config:
     background_idle: bool = True
     stream_copy: bool = True
     gpu_sm_share: float | None = None  # None: automatic (runtime/gpu/tree_executor.py, OVERLAP_SHARE)
-    gpu_gate: bool = False
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
@@ -210,5 +200,4 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         stream_copy=_flag(env, BLINK_STREAM_COPY, default=True),
         gpu_sm_share=env_number(env, BLINK_GPU_SM_SHARE, float, "a share of the GPU (0 < share <= 1)",
                                 lambda v: math.isfinite(v) and 0 < v <= 1, None),
-        gpu_gate=_flag(env, BLINK_GPU_GATE, default=False),
     )

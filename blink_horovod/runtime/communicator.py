@@ -242,7 +242,7 @@ class Communicator:
                 log.warning("BLINK_FAULT=%s is ignored on CUDA tensors (CPU runtime only)", self.config.fault)
             self._executor = TreeExecutor(transport, self.config.timeout_seconds, self.config.stall_check_seconds,
                                           sharers=gpu_sharers, sm_share=self.config.gpu_sm_share,
-                                          gate=self.config.gpu_gate, overlap=gpu_overlap)
+                                          overlap=gpu_overlap)
         elif transport is not None:
             self._executor = Executor(transport, self.config.timeout_seconds, self.config.stall_check_seconds,
                                       self.config.fault, self.config.stream_copy)

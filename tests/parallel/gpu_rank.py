@@ -238,8 +238,8 @@ def scenario(name: str, rank: int, n: int, comm: Communicator, args: list[str]) 
         # Rank 0's stream is behind earlier work when rank 1 launches: a one-block kernel (200 ms), then a
         # kernel with a block on every SM that needs a whole SM's shared memory.  Launched at once, rank 1's
         # tree blocks (one to an SM) could leave that kernel no SM, and rank 0's tree kernel queued behind it
-        # would not start; the gate (BLINK_GPU_GATE) holds rank 1's tree kernel until rank 0's stream is there.
-        # (On an H100 under MPS neither setting stalled: the test checks that both end, exact or named.)
+        # would not start until rank 1's waits time out.  With BLINK_GPU_SM_SHARE=0.5 the ranks' tree kernels
+        # leave half the block slots free.  (On an H100 under MPS the whole grid did not stall either.)
         import cupy
 
         hog, smem, sms = _hog()

@@ -28,7 +28,7 @@ from blink_horovod.runtime.dtypes import (
     reduce_to,
 )
 from blink_horovod.runtime.gpu.kernels import KERNEL_OPS, host_test_source
-from blink_horovod.runtime.gpu.tree_executor import kernel_source
+from blink_horovod.runtime.gpu.tree_executor import ARGS_DTYPE, kernel_source
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -252,11 +252,14 @@ def test_device_kernels_compile_for_sm90_without_spills(tmp_path, dt: str) -> No
     lib.nvrtcGetPTX(prog, ptx)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     (tmp_path / "k.ptx").write_bytes(ptx.value)
+    # The kernel's one parameter is struct BlinkArgs by value: the host's layout (ARGS_DTYPE) must be as large.
+    sizes = {int(m) for m in re.findall(rb"\.param \.align \d+ \.b8 \w+_param_0\[(\d+)\]", ptx.value)}
+    assert sizes == {ARGS_DTYPE.itemsize}, (sizes, ARGS_DTYPE.itemsize)
     proc = subprocess.run([ptxas, "-arch=sm_90", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
                           capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr
     usage = [line for line in proc.stderr.splitlines() if "spill" in line]
-    assert len(usage) == len(KERNEL_OPS) + 1, proc.stderr  # and the gate
+    assert len(usage) == len(KERNEL_OPS), proc.stderr
     spilled = [int(m) for m in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
     assert max(spilled) <= (0 if dt in SPILL_FREE else 32), proc.stderr
     regs = [int(m) for m in re.findall(r"Used (\d+) registers", proc.stderr)]

@@ -23,7 +23,7 @@ from support.ranks import rank_outcomes, run_ranks
 
 from blink_horovod.errors import BlinkInternalError, BlinkTimeoutError, MismatchError
 from blink_horovod.runtime import communicator as cm
-from blink_horovod.runtime.gpu.tree_executor import ARGS_DTYPE, GATE, THREADS, TreeExecutor
+from blink_horovod.runtime.gpu.tree_executor import ARGS_DTYPE, THREADS, TreeExecutor
 from blink_horovod.runtime.gpu.work import ITEM_DTYPE, TREE_DTYPE
 from blink_horovod.runtime.loopback import LoopbackWorld
 from blink_horovod.runtime.shm import ShmTransport
@@ -46,7 +46,6 @@ class FakeCuda:
         self.rank = rank
         self.next = (rank + 1) << 32
         self.launches: list[tuple] = []  # (args, grid, block, stream, function) of the tree kernels
-        self.gates: list[tuple] = []  # the same of the gate kernels (BLINK_GPU_GATE)
         self.tables: dict[int, np.ndarray] = {}
         self.handles_taken: list[int] = []
         self.opened: list[bytes] = []
@@ -141,7 +140,7 @@ class FakeCuda:
     def launch_kernel(self, fn, grid: int, block: int, stream: int, params: int) -> None:
         args_ptr = ctypes.c_void_p.from_address(params).value
         args = np.frombuffer(ctypes.string_at(args_ptr, ARGS_DTYPE.itemsize), ARGS_DTYPE).copy()
-        (self.gates if fn == GATE else self.launches).append((args, grid, block, stream, fn))
+        self.launches.append((args, grid, block, stream, fn))
 
     # What the native repeat (runtime/gpu/_replay.c) launches through: a function with cuLaunchKernel's
     # signature, here a recorder that keeps what launch_kernel keeps.
@@ -161,7 +160,7 @@ class FakeCuda:
         self._attribute = self._ATTRIBUTE(attribute)
         return ctypes.cast(self._attribute, ctypes.c_void_p).value
 
-    _NAMES = ("blink_trees_sum", "blink_trees_min", "blink_trees_max", "blink_trees_product", GATE)
+    _NAMES = ("blink_trees_sum", "blink_trees_min", "blink_trees_max", "blink_trees_product")
 
     def function_address(self, fn) -> int:
         return 0x1000 + self._NAMES.index(fn)
@@ -170,7 +169,7 @@ class FakeCuda:
         names = self._NAMES
 
         def launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
-            self.native_launches += names[function - 0x1000] != GATE
+            self.native_launches += 1
             self.launch_kernel(names[function - 0x1000], gx, bx, stream or 0, params)
             return self.launch_error
 
@@ -204,15 +203,14 @@ _JOBS = itertools.count()
 WORLDS = {"loopback": LoopbackWorld, "shm": ShmWorld}
 
 
-def make_comms(world: LoopbackWorld | ShmWorld, rank: int, n: int,
-               gate: bool = False) -> tuple[cm.Communicator, FakeCuda]:
+def make_comms(world: LoopbackWorld | ShmWorld, rank: int, n: int) -> tuple[cm.Communicator, FakeCuda]:
     t = world.transport(rank)
     cuda = FakeCuda(rank)
     comm = cm.Communicator(rank, n, machines.cpu(n), None, device="cpu", transport=t,
                            planner=hand_planner("star"))
     # The CUDA path as users reach it, with the executor on the recording device.
     comm.device = "cuda"
-    comm._executor = TreeExecutor(t, 20.0, 10.0, cuda=cuda, gate=gate)
+    comm._executor = TreeExecutor(t, 20.0, 10.0, cuda=cuda)
     if comm._executor._native is not None:
         # Thread-ranks take turns at the GIL: a native repeat waits for its peers' posts as long as they take
         # (the tests count which calls went native; the late-peer test sets a short spin).
@@ -224,13 +222,13 @@ def tensor_at(cuda: FakeCuda, offset: int, count: int, typestr: str = "<f4") -> 
     return FakeTensor(((cuda.rank + 1) << 36) + offset, count, typestr)
 
 
-def run(n: int, body, close=lambda comm: comm.close(), world: str = "loopback", gate: bool = False):
+def run(n: int, body, close=lambda comm: comm.close(), world: str = "loopback"):
     """``body(rank, comm, cuda)`` on n thread-ranks over the ``world`` transport; ``close(comm)`` after it,
-    whatever happened.  ``gate``: ``BLINK_GPU_GATE``."""
+    whatever happened."""
     world = WORLDS[world](n)
 
     def rank(r: int):
-        comm, cuda = make_comms(world, r, n, gate)
+        comm, cuda = make_comms(world, r, n)
         try:
             return body(r, comm, cuda)
         finally:
@@ -537,45 +535,13 @@ def test_what_one_rank_says_of_the_gpu_shrinks_every_ranks_grid(setting: dict, e
     assert out == [(expect[0], expect[1](slots))] * 2
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_every_tree_kernel_is_behind_a_gate_on_the_same_stream(world: str) -> None:
-    # ``BLINK_GPU_GATE=1``: one block, the same parameters (so the same epoch) and the same
-    # stream as the tree kernel that follows it, on the first call and on every repeat (native or not).
-    n = 2
-
-    def body(r, comm, cuda):
-        x = tensor_at(cuda, 0, 256)
-        for _ in range(4):
-            comm.allreduce(x, name="g")
-        comm.broadcast(x, root=1, name="b")
-        return cuda.gates, cuda.launches
-
-    for gates, launches in run(n, body, world=world, gate=True):
-        assert len(gates) == len(launches) == 5
-        for (ga, grid, block, gs, _), (ta, _, _, ts, _) in zip(gates, launches):
-            assert grid == 1 and block == 32 and gs == ts
-            assert ga[0]["epoch"] == ta[0]["epoch"] and ga[0]["gate_word"] == ta[0]["gate_word"] > 0
-
-
-def test_one_rank_without_the_gate_turns_it_off_for_all() -> None:
-    # A rank without the gate never posts the word its peers' gates would wait for.
-    world = LoopbackWorld(2)
-
-    def rank(r: int):
-        cuda = FakeCuda(r)
-        ex = TreeExecutor(world.transport(r), 20.0, 10.0, cuda=cuda, gate=r == 1)  # (rank 0: the default)
-        try:
-            return ex.gate
-        finally:
-            ex.close()
-
-    assert run_ranks(rank, 2, timeout=60) == [False, False]
-
-
-def test_a_gate_that_gave_up_is_named() -> None:
+def test_a_wait_that_gave_up_is_named() -> None:
     from blink_horovod.runtime.gpu.tree_executor import _waited
 
-    assert _waited((0 << 16) | (4 << 8) | 3, 8) == "rank 10's stream to reach this collective (the gate)"
+    # trees.cu's blink_wait leaves index << 16 | what << 8 | peer + 1; errors name global ranks
+    assert _waited((7 << 16) | (3 << 8) | 3, 8) == "rank 10's end-of-collective flag of block 7"
+    assert _waited((102 << 16) | (1 << 8) | 2) == "rank 1's reduce flag of item 102"
+    assert _waited((0 << 16) | (4 << 8) | 3) == "a peer's flags"  # no such wait
 
 
 def test_the_overlap_share_holds_only_where_ranks_share_a_gpu() -> None:

@@ -13,18 +13,15 @@ def test_defaults() -> None:
     cfg = config.load_config({})
     assert not cfg.enable and cfg.timeout_seconds == 600 and cfg.stall_check_seconds == 60
     assert cfg.chunk_bytes is None and cfg.log_level == "warning" and cfg.gpu_sm_share is None
-    assert not cfg.gpu_gate
 
 
 def test_values_parse() -> None:
     cfg = config.load_config(
         {"BLINK_ENABLE": "1", "BLINK_CHUNK_BYTES": "4M", "BLINK_LOCAL_SIZE": "2", "BLINK_TIMEOUT_SECONDS": "5",
-         "BLINK_LOG_LEVEL": "DEBUG", "BLINK_TOPOLOGY": "dgx1v:0,1", "BLINK_GPU_SM_SHARE": "0.5",
-         "BLINK_GPU_GATE": "1"}
+         "BLINK_LOG_LEVEL": "DEBUG", "BLINK_TOPOLOGY": "dgx1v:0,1", "BLINK_GPU_SM_SHARE": "0.5"}
     )
     assert cfg.enable and cfg.chunk_bytes == 4 << 20 and cfg.local_size == 2 and cfg.timeout_seconds == 5.0
     assert cfg.log_level == "debug" and cfg.topology == "dgx1v:0,1" and cfg.gpu_sm_share == 0.5
-    assert cfg.gpu_gate
 
 
 @pytest.mark.parametrize(
@@ -41,7 +38,6 @@ def test_values_parse() -> None:
         ("BLINK_GPU_SM_SHARE", "0"),
         ("BLINK_GPU_SM_SHARE", "1.5"),
         ("BLINK_GPU_SM_SHARE", "half"),
-        ("BLINK_GPU_GATE", "sometimes"),
     ],
 )
 def test_invalid_values_name_the_variable(name: str, value: str) -> None:

@@ -15,8 +15,7 @@
  *   2. meet: spin until every peer's sequence word reaches seq, for at most spin_ns;
  *   3. compare: every peer's posted bytes against what the prepared launch assumed;
  *   4. launch: the epoch into the kernel's parameter block, then cuLaunchKernel (a pointer to the
- *      driver's function, passed in by the caller) of the gate kernel, where there is one
- *      (BLINK_GPU_GATE), and of the tree kernel.
+ *      driver's function, passed in by the caller) of the tree kernel.
  *
  * Anything else goes back to Python with the payload posted: peers not all there within the spin
  * (Python then waits as every wait does: sleeping on futexes, naming dead, aborted or late peers),
@@ -142,8 +141,6 @@ typedef struct {
     /* The last call's phases in ns (its profile, read by benchmarks/gpu_latency_probe.py): the allocation
      * check, the post, the wait for the peers' posts and the comparison, the launch. */
     uint64_t ns_check, ns_post, ns_met, ns_launch;
-    void *gate;               /* CUfunction launched first (one block of gate_block threads), or NULL */
-    uint32_t gate_block, pad2;
 } blink_replay_call;
 
 /* The whole repeat: returns LAUNCHED, MOVED (nothing posted: the tensor's allocation is another one),
@@ -166,8 +163,7 @@ int blink_replay(blink_replay_call *c, uint32_t seq, void *stream, uint64_t epoc
     if (!met) return NOT_MET;
     if (!same) return DIFFERENT;
     *c->epoch_slot = epoch;
-    int err = c->gate ? c->launch(c->gate, 1, 1, 1, c->gate_block, 1, 1, 0, stream, c->params, NULL) : 0;
-    if (!err) err = c->launch(c->function, c->grid, 1, 1, c->block, 1, 1, 0, stream, c->params, NULL);
+    int err = c->launch(c->function, c->grid, 1, 1, c->block, 1, 1, 0, stream, c->params, NULL);
     c->ns_launch = now_ns() - t3;
     if (err) {
         c->cuda_error = err;

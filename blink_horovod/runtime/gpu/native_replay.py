@@ -56,8 +56,7 @@ class Call(ctypes.Structure):
                 ("spin_ns", ctypes.c_uint64), ("len", ctypes.c_uint32), ("yield_every", ctypes.c_uint32),
                 ("grid", ctypes.c_uint32), ("block", ctypes.c_uint32), ("cuda_error", ctypes.c_int32),
                 ("pad", ctypes.c_int32), ("ns_check", ctypes.c_uint64), ("ns_post", ctypes.c_uint64),
-                ("ns_met", ctypes.c_uint64), ("ns_launch", ctypes.c_uint64), ("gate", ctypes.c_void_p),
-                ("gate_block", ctypes.c_uint32), ("pad2", ctypes.c_uint32)]
+                ("ns_met", ctypes.c_uint64), ("ns_launch", ctypes.c_uint64)]
 
     def phases_ns(self) -> tuple[int, int, int, int]:
         """The last call's phases in ns: the allocation check, the post, the wait for the peers and the
@@ -127,13 +126,10 @@ class NativeReplay:
         self.generation = self.t.generation
 
     def prepare(self, payload: bytes, payloads: Sequence[bytes], function: int, grid: int, block: int,
-                params: int, epoch_slot: int, ptr: int, bid: int, gate: int = 0,
-                gate_block: int = 0) -> PreparedCall:
+                params: int, epoch_slot: int, ptr: int, bid: int) -> PreparedCall:
         """A repeat of a collective whose payload is ``payload`` and whose peers sent ``payloads``, on the
-        tensor at ``ptr`` in the allocation whose buffer id is ``bid``; ``gate``: the gate kernel launched
-        first (one block of ``gate_block`` threads, same parameters), 0 for none."""
-        return PreparedCall(self, payload, payloads, function, grid, block, params, epoch_slot, ptr, bid, gate,
-                            gate_block)
+        tensor at ``ptr`` in the allocation whose buffer id is ``bid``."""
+        return PreparedCall(self, payload, payloads, function, grid, block, params, epoch_slot, ptr, bid)
 
     def run(self, call: PreparedCall, seq: int, stream: int, epoch: int) -> int:
         """One repeat: LAUNCHED, MOVED (nothing posted), NOT_MET, DIFFERENT or LAUNCH_FAILED
@@ -149,8 +145,7 @@ class PreparedCall:
     __slots__ = ("_expected", "_lens", "_offsets", "_payload", "call", "ref")
 
     def __init__(self, native: NativeReplay, payload: bytes, payloads: Sequence[bytes], function: int, grid: int,
-                 block: int, params: int, epoch_slot: int, ptr: int, bid: int, gate: int,
-                 gate_block: int) -> None:
+                 block: int, params: int, epoch_slot: int, ptr: int, bid: int) -> None:
         n = len(payloads)
         self._payload = ctypes.create_string_buffer(payload, max(1, len(payload)))
         blob = b"".join(payloads)
@@ -170,7 +165,6 @@ class PreparedCall:
         c.attribute, c.ptr, c.bid = native.attribute, ptr, bid
         c.spin_ns, c.yield_every = native.spin_ns, native.yield_every
         c.len, c.grid, c.block = len(payload), grid, block
-        c.gate, c.gate_block = gate or None, gate_block
         self.ref = ctypes.addressof(c)
 
     @property

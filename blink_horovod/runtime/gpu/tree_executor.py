@@ -15,9 +15,6 @@ per dtype, and a collective is:
 Nothing tests whether a peer shares this GPU to take a shortcut: peers' memory is always reached through
 their CUDA IPC mappings.  Where ranks share a GPU only the number of blocks changes: every rank's blocks
 must be resident at once (blocks spin on peers' flags), so each rank takes its share of the SMs.
-With ``BLINK_GPU_GATE=1`` a one-thread gate kernel before the tree kernel waits until every rank's
-stream has reached the collective, so that no rank's blocks hold SM slots while a peer is still behind
-earlier work of its own.
 
 Flags are device words (``trees.cu``); the abort and error words are mapped host memory, so the host
 stops its kernel's waits with a plain store and reads a device-found timeout without a CUDA call.
@@ -54,10 +51,8 @@ OPS = {"sum": 0, "average": 0, "min": 1, "max": 2, "product": 3}
 # trees.cu's phases (1 reduce up the trees, 2 broadcast down) of each kind of collective: the hierarchical
 # stages run the allreduce plan's phases apart, so that local rank i's segment crosses servers in between.
 PHASES = {"allreduce": 3, "broadcast": 2, "reduce_to_roots": 1, "broadcast_from_roots": 2}
-_RED, _FIN, _DONE, _GATE = 0, MAX_ITEMS, 2 * MAX_ITEMS, 2 * MAX_ITEMS + MAX_BLOCKS
-FLAG_WORDS = 2 * MAX_ITEMS + MAX_BLOCKS + 1
-GATE = "blink_gate"  # trees.cu's gate kernel (BLINK_GPU_GATE)
-GATE_THREADS = 32
+_RED, _FIN, _DONE = 0, MAX_ITEMS, 2 * MAX_ITEMS
+FLAG_WORDS = 2 * MAX_ITEMS + MAX_BLOCKS
 _TABLES = 64  # work tables kept on the device
 _SPIN_S = 0.05
 
@@ -67,7 +62,7 @@ ARGS_DTYPE = np.dtype([
     ("items", "<u8"), ("trees", "<u8"), ("timeout_ns", "<u8"), ("ctl", "<u8"),
     ("nitems", "<i4"), ("rank", "<i4"), ("nranks", "<i4"), ("phases", "<i4"),
     ("average_n", "<i4"), ("vec", "<i4"), ("red_word", "<i4"), ("fin_word", "<i4"),
-    ("done_word", "<i4"), ("gate_word", "<i4"),
+    ("done_word", "<i4"),
 ], align=True)
 
 
@@ -103,13 +98,10 @@ class TreeExecutor:
         :data:`OVERLAP_SHARE` where ranks share a GPU and some rank says ``overlap``.
     overlap : bool
         Compute kernels run beside the collectives (a training step's backward pass under Horovod).
-    gate : bool
-        ``BLINK_GPU_GATE``: launch the gate kernel before each tree kernel (on where every rank asks for
-        it: a rank without the gate never posts the word its peers' gates wait for).
     """
 
     def __init__(self, transport: Transport, timeout: float, stall: float, device: int | None = None,
-                 cuda: Any = None, sharers: int = 1, sm_share: float | None = None, gate: bool = False,
+                 cuda: Any = None, sharers: int = 1, sm_share: float | None = None,
                  overlap: bool = False) -> None:
         self.t = transport
         self.rank, self.nranks = transport.rank, transport.nranks
@@ -165,8 +157,6 @@ class TreeExecutor:
         self._sharers = max(1, int(sharers))
         self._sm_share = None if sm_share is None else float(sm_share)
         self._overlap = bool(overlap)
-        self.gate = bool(gate)
-        self._gates: dict[str, Any] = {}  # dtype -> its module's gate kernel
         self._setup()
         # A repeat's host path in one native call where the transport is shared memory (not threads).
         self._native_path = native_replay.NativeReplay.create(transport, cuda)
@@ -180,7 +170,7 @@ class TreeExecutor:
         fn = self._function("float32", "sum")
         per_sm = max(1, c.blocks_per_sm(fn, THREADS))
         mine = {"flags": c.ipc_handle(self._own_flags).hex(), "bus": c.pci_bus_id(), "sms": int(c.sms),
-                "per_sm": per_sm, "sharers": self._sharers, "share": self._sm_share, "gate": self.gate,
+                "per_sm": per_sm, "sharers": self._sharers, "share": self._sm_share,
                 "overlap": self._overlap}
         self.seq += 1
         payloads = self.t.exchange_meta(self.seq, metadata.encode({"collective": "gpu setup"}, mine), ctx)
@@ -194,7 +184,6 @@ class TreeExecutor:
         self.ranks_on_device = max(max(sum(1 for f in peers if f["bus"] == e["bus"]) for e in peers),
                                    max(int(e.get("sharers", 1)) for e in peers))
         share = _agreed_share(peers, self.ranks_on_device)
-        self.gate = all(bool(e.get("gate", False)) for e in peers)  # BLINK_GPU_GATE: on where all ask for it
         self.blocks = max(1, min(MAX_BLOCKS, int(min(int(e["sms"]) * int(e["per_sm"]) for e in peers) * share)
                                  // self.ranks_on_device))
         for q, e in enumerate(peers):
@@ -202,12 +191,11 @@ class TreeExecutor:
         a = self._args[0]
         a["flags"][: self.nranks] = self._flag_ptrs
         a["rank"], a["nranks"] = self.rank, self.nranks
-        a["red_word"], a["fin_word"], a["done_word"], a["gate_word"] = _RED, _FIN, _DONE, _GATE
+        a["red_word"], a["fin_word"], a["done_word"] = _RED, _FIN, _DONE
         a["ctl"] = self._ctl_host
         a["timeout_ns"] = int(self.timeout * 1e9)
         log.debug("GPU executor: rank %d, %d ranks on its GPU (%d of them this rank's), %d blocks of %d threads "
-                  "(share %g), gate %s", self.rank, self.ranks_on_device, sharing, self.blocks, THREADS, share,
-                  "on" if self.gate else "off")
+                  "(share %g)", self.rank, self.ranks_on_device, sharing, self.blocks, THREADS, share)
         if sharing > 1 and self.rank == 0 and not mps_active():
             log.warning("Blink: %d ranks share GPU %s without MPS: their kernels are time-sliced and every wait for a "
                         "peer costs a slice; start the MPS daemon (nvidia-cuda-mps-control -d) before the job",
@@ -223,8 +211,6 @@ class TreeExecutor:
 
             for op in KERNEL_OPS:
                 mod.get_function(kernel_name(op))
-            if self.gate:  # (never on where this rank does not gate: a kernel source without it may run)
-                self._gates[dtype] = mod.get_function(GATE)
             self._modules[dtype] = mod
         return mod
 
@@ -262,7 +248,6 @@ class TreeExecutor:
             t0 = time.perf_counter()
             ptr = int(arr.ptr) if arr is not None and arr.size else 0
             fn = self._function(dtype, op or "sum") if ptr else None  # before any peer can wait on this rank
-            gate = self._gates[dtype] if ptr and self.gate else None
             itemsize = numpy_dtype(dtype).itemsize
             # Work tables are uploaded with a wait for the device: before the exchange, where no peer can
             # yet spin on this rank's kernel for this collective, when the plan is known.
@@ -300,7 +285,7 @@ class TreeExecutor:
             sp = int(stream) if stream is not None else self.cuda.stream_pointer(None)
             if self._trace:
                 self._log_launch(label, f"launch, {kind} of {arr.size} {dtype}", a, work.blocks, sp)
-            self._launch(gate, fn, work.blocks, sp, self._params)
+            self.cuda.launch_kernel(fn, work.blocks, THREADS, sp, self._params)
             self._pending.add(sp)
             self._launched = True
             if self._evicted:
@@ -309,13 +294,13 @@ class TreeExecutor:
             self.last_launch_seconds = time.perf_counter() - t1
             self.last_native = None
             if replay_key is not None and not extras:
-                self._remember(replay_key, label, ptr, work.blocks, fn, gate)
+                self._remember(replay_key, label, ptr, work.blocks, fn)
             return all_extras
         except BaseException as exc:
             self.fail(exc)
             raise
 
-    def _remember(self, key: Any, label: str, ptr: int, grid: int, fn: Any, gate: Any) -> None:
+    def _remember(self, key: Any, label: str, ptr: int, grid: int, fn: Any) -> None:
         """Keep what :meth:`replay` needs to run this collective again: the payload sent, the payloads
         received, and the kernel's parameters (the epoch aside)."""
         args = self._args.copy()
@@ -327,7 +312,7 @@ class TreeExecutor:
         if g and g[2]:  # the handle went with the first use; a replay sends none (peers have the mapping)
             payload = metadata.encode(checked, {**mine, "g": [g[0], g[1], None, g[3]]})
         rec = self._replays[key] = _Replay(label, ptr, self.cuda.buffer_id(ptr), payload, self._decoded[0], args,
-                                           argp, grid, fn, gate)
+                                           argp, grid, fn)
         self._prepare_native(rec)
 
     @property
@@ -346,8 +331,7 @@ class TreeExecutor:
         if self._native is not None:
             rec.native = self._native.prepare(rec.payload, rec.payloads, self.cuda.function_address(rec.fn), rec.grid,
                                               THREADS, ctypes.addressof(rec.argp), rec.args.ctypes.data, rec.ptr,
-                                              rec.bid, self.cuda.function_address(rec.gate) if rec.gate else 0,
-                                              GATE_THREADS)
+                                              rec.bid)
 
     def replay(self, key: Any, ptr: int, stream: int | None) -> bool:
         """Launch again the collective last run with ``replay_key=key`` (same metadata, same tensor); False
@@ -406,7 +390,7 @@ class TreeExecutor:
                     self._mapped(ctx)
             t1 = time.perf_counter()
             rec.epoch.value = self.epoch  # args' first field, through ctypes: a tenth of numpy's field store
-            self._launch(rec.gate, rec.fn, rec.grid, sp, ctypes.addressof(rec.argp))
+            self.cuda.launch_kernel(rec.fn, rec.grid, THREADS, sp, ctypes.addressof(rec.argp))
             self._pending.add(sp)
             self.last_meta_seconds = t1 - t0
             self.last_launch_seconds = time.perf_counter() - t1
@@ -415,13 +399,6 @@ class TreeExecutor:
         except BaseException as exc:
             self.fail(exc)
             raise
-
-    def _launch(self, gate: Any, fn: Any, grid: int, stream: int, params: int) -> None:
-        """The gate kernel (where there is one: ``BLINK_GPU_GATE``), then the tree kernel, on ``stream`` with
-        the same parameters (``_replay.c`` launches the same two natively)."""
-        if gate is not None:
-            self.cuda.launch_kernel(gate, 1, GATE_THREADS, stream, params)
-        self.cuda.launch_kernel(fn, grid, THREADS, stream, params)
 
     def _log_launch(self, label: str, how: str, a: Any, grid: int, stream: int) -> None:
         """``BLINK_LOG_LEVEL=debug``: one line per launch, from the parameters the kernel gets (to compare ranks)."""
@@ -629,15 +606,14 @@ def _new_mappings(all_extras: Sequence[Mapping[str, Any]]) -> bool:
 class _Replay:
     """What :meth:`TreeExecutor.replay` needs to launch a collective again."""
 
-    __slots__ = ("argp", "args", "base", "bid", "epoch", "fn", "gate", "grid", "native", "payload", "payloads",
-                 "ptr")
+    __slots__ = ("argp", "args", "base", "bid", "epoch", "fn", "grid", "native", "payload", "payloads", "ptr")
 
     def __init__(self, label: str, ptr: int, bid: int, payload: bytes, payloads: list[bytes], args: np.ndarray,
-                 argp: Any, grid: int, fn: Any, gate: Any) -> None:
+                 argp: Any, grid: int, fn: Any) -> None:
         # The label without the first call's number: a repeat's errors name the collective it is.
         self.base = _NUMBERED.sub("", label)
         self.ptr, self.bid, self.payload, self.payloads = ptr, bid, payload, payloads
-        self.args, self.argp, self.grid, self.fn, self.gate = args, argp, grid, fn, gate
+        self.args, self.argp, self.grid, self.fn = args, argp, grid, fn
         assert ARGS_DTYPE.fields["epoch"][1] == 0
         self.epoch = ctypes.c_uint64.from_address(args.ctypes.data)
         self.native: native_replay.PreparedCall | None = None  # TreeExecutor._prepare_native
@@ -676,8 +652,7 @@ def _waited(word: int, rank_offset: int = 0) -> str:
 
 
 # trees.cu's BLINK_WAIT_* -> what was waited for ({} the item or block)
-_WAITED = {1: "reduce flag of item {}", 2: "broadcast flag of item {}", 3: "end-of-collective flag of block {}",
-           4: "stream to reach this collective (the gate)"}
+_WAITED = {1: "reduce flag of item {}", 2: "broadcast flag of item {}", 3: "end-of-collective flag of block {}"}
 
 _NUMBERED = re.compile(r" \(collective \d+\)$")  # Communicator's labels end so
 

@@ -53,7 +53,7 @@ struct BlinkArgs {
     int nitems, rank, nranks, phases;  /* phases: 1 reduce, 2 broadcast */
     int average_n, vec;                 /* vec: every buf[p] is 16-byte aligned */
     int red_word, fin_word;             /* word offsets of red[] and fin[] in a flag segment */
-    int done_word, gate_word;           /* done[] per block; the gate's word (blink_gate) */
+    int done_word;                      /* word offset of done[] (one word per block) */
 };
 
 #define BLINK_THREADS 512
@@ -78,7 +78,6 @@ __device__ __forceinline__ blink_u64 blink_clock_ns() {
 #define BLINK_WAIT_RED 1  /* a child's reduce flag of item `index` */
 #define BLINK_WAIT_FIN 2  /* the parent's broadcast flag of item `index` */
 #define BLINK_WAIT_DONE 3 /* a peer's end-of-collective flag of block `index` */
-#define BLINK_WAIT_GATE 4 /* a peer's stream reaching this collective (blink_gate) */
 
 /* One thread: wait until rank `peer`'s flag word (`what`, `index`) reaches a.epoch; false on timeout or
  * abort: then ctl[2] says what was waited for, in one store (blocks that give up at once overwrite each
@@ -347,23 +346,3 @@ __device__ void blink_trees_body(const BlinkArgs& a) {
 
 #define BLINK_TREES_KERNEL(NAME, OP) \
     extern "C" __global__ void __launch_bounds__(BLINK_THREADS, 2) NAME(const __grid_constant__ BlinkArgs a) { blink_trees_body<OP>(a); }
-
-/* The gate, launched on this rank's stream just before the tree kernel, one thread: post that this
- * stream has reached collective a.epoch (gate_word), then wait until every peer's stream has.  The tree
- * kernel's blocks spin on their peers' flags while holding SM slots; launched at once, a rank whose peer
- * is still behind earlier work on its own stream would spin there, and where ranks share a GPU that
- * earlier work (a GEMM whose blocks each need a whole SM) may need exactly those slots: neither moves
- * until the wait times out.  Behind the gate a tree kernel starts only when every rank's stream is at
- * its own tree kernel.  A gate that gives up sets the abort word too, so the tree kernel's waits give
- * up at once (the record of what was waited for stays the gate's: only the first wait to give up
- * writes it). */
-extern "C" __global__ void blink_gate(const __grid_constant__ BlinkArgs a) {
-    if (threadIdx.x != 0) return;
-    const blink_u64 start = blink_clock_ns();
-    blink_st_release(blink_word(a, a.rank, a.gate_word), a.epoch);
-    for (int p = 0; p < a.nranks; ++p)
-        if (p != a.rank && !blink_wait(a, p, BLINK_WAIT_GATE, a.gate_word, 0, start)) {
-            ((volatile blink_u64*)a.ctl)[0] = 1;  /* the abort word: the tree kernel's waits give up at once */
-            return;
-        }
-}
