@@ -14,7 +14,9 @@
 #            compared; BLINK_TOPOLOGY unset, so the plan comes from the GPU probe (its log line kept)
 #   step     benchmarks/gpu_step_time.py (~100 M parameters), float32 and bfloat16, stock and Blink
 #   hvdtest  Horovod's test/parallel/test_torch.py at -np 2, stock and Blink side by side (.carry/hvd-tests);
-#            HVDTEST_SHARD=I/N runs the I-th of N shares of it (the suite takes longer than one call there)
+#            HVDTEST_SHARD=I/N runs the I-th of N shares of it (the suite takes longer than one call there),
+#            HVDTEST_JOBS=N all N shares at once, HVDTEST_DONE=DIR (an earlier call's hvdtest*.json) only
+#            the tests that have no verdict there
 #
 #   OUT=/tmp/out STEPS="build exact" bash benchmarks/gpu_ops_acceptance.sh
 #
@@ -147,19 +149,32 @@ step_hvdtest() {
     python3 -c "import mock" 2>/dev/null || python3 -m pip install -q --no-deps --no-index .carry/mock-*.whl \
         >>"$OUT/steps.txt" 2>&1
     # Stock and Blink side by side (each suite takes several minutes there: every test is an hvd.init).
+    # HVDTEST_JOBS=N runs N interleaved shares of each side at once (2N horovodrun jobs, 4N ranks on the
+    # one GPU); HVDTEST_DONE=DIR takes the verdicts of an earlier call's hvdtest*.json there as they are,
+    # so that only the tests without one run.
     in_time hvdtest || return
-    local limit pids=()
+    local limit jobs=${HVDTEST_JOBS:-1} pids=() done_args=() i
     limit=$(cap ${HVDTEST_LIMIT:-480})
     for blink in "" "--blink"; do
-        log "start hvdtest $blink"
-        ( timeout -k 5 "$limit" python3 tests/parallel/ops_reference_suite.py \
-            --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo $blink \
-            --horovodrun "$(command -v horovodrun)" --test-timeout 60 --timeout-method thread --deadline $((limit - 15)) \
-            ${HVDTEST_SHARD:+--shard $HVDTEST_SHARD} \
-            --json "$OUT/hvdtest${blink:+_blink}.json" \
-            >"$OUT/hvdtest${blink:+_blink}.log" 2>&1
-          log "rc=$? hvdtest $blink" ) &
-        pids+=($!)
+        for ((i = 0; i < jobs; i++)); do
+            local name="hvdtest${blink:+_blink}${HVDTEST_SHARD:+_${HVDTEST_SHARD/\//of}}"
+            [ "$jobs" -gt 1 ] && name="hvdtest${blink:+_blink}_${i}of${jobs}"
+            done_args=()
+            if [ -n "${HVDTEST_DONE:-}" ]; then
+                for f in "$HVDTEST_DONE"/hvdtest${blink:+_blink}*.json; do
+                    [ -f "$f" ] && [ "${blink:-}" = "" ] && [[ "$f" == *_blink* ]] && continue
+                    [ -f "$f" ] && done_args+=(--done "$f")
+                done
+            fi
+            log "start $name"
+            ( timeout -k 5 "$limit" python3 tests/parallel/ops_reference_suite.py \
+                --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo $blink \
+                --horovodrun "$(command -v horovodrun)" --test-timeout 60 --timeout-method thread --deadline $((limit - 15)) \
+                $([ "$jobs" -gt 1 ] && echo "--shard $i/$jobs" || echo "${HVDTEST_SHARD:+--shard $HVDTEST_SHARD}") \
+                "${done_args[@]}" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+              log "rc=$? $name" ) &
+            pids+=($!)
+        done
     done
     wait "${pids[@]}"
 }

@@ -87,19 +87,37 @@ def main() -> None:
                 continue
             print(f"| {dt} | {impl} | {s['step_ms']} | {s['compute_ms']} | {s['comm_ms']} | {s['allreduce_ms']} | "
                   f"{s['params'] / 1e6:.0f} M params |")
-    runs = {}
-    for name in ("hvdtest", "hvdtest_blink"):
-        p = out / f"{name}.json"
-        if p.exists():
-            runs[name] = json.loads(p.read_text())
-            print(f"\n- Horovod's test_torch.py, {runs[name]['mode']} -np {runs[name]['np']} (share "
-                  f"{runs[name].get('shard', '0/1')}): {runs[name]['counts']}")
+    runs = _hvdtest_runs(out)
+    for mode, run in runs.items():
+        print(f"\n- Horovod's test_torch.py, {mode} -np {run['np']} ({run['files']} file(s), shares "
+              f"{', '.join(run['shards'])}): {run['counts']}")
     if len(runs) == 2:
-        va, vb = runs["hvdtest"]["tests"], runs["hvdtest_blink"]["tests"]
-        both = [k for k in sorted(set(va) | set(vb)) if "NOTRUN" not in (va.get(k), vb.get(k))]
+        va, vb = runs["stock"]["tests"], runs["BLINK_ENABLE=1"]["tests"]
+        both = [k for k in sorted(set(va) | set(vb)) if "NOTRUN" not in (va.get(k, "NOTRUN"), vb.get(k, "NOTRUN"))]
         diff = {k: (va.get(k), vb.get(k)) for k in both if va.get(k) != vb.get(k)}
         print(f"- verdicts compared (tests run both ways): {len(both)}; those that differ (stock, blink): "
               f"{diff or 'none'}")
+
+def _hvdtest_runs(out: Path) -> dict[str, dict]:
+    """Every hvdtest*.json of the reference suite (shares run at once, or continued over calls), merged
+    per mode ("stock", "BLINK_ENABLE=1"): a test's verdict is the last one other than NOTRUN."""
+    runs: dict[str, dict] = {}
+    for p in sorted(out.glob("hvdtest*.json")):
+        r = json.loads(p.read_text())
+        run = runs.setdefault(r["mode"], {"np": r["np"], "files": 0, "shards": [], "tests": {}})
+        run["files"] += 1
+        run["shards"].append(r.get("shard", "0/1"))
+        for t, v in r["tests"].items():
+            if v != "NOTRUN" or t not in run["tests"]:
+                run["tests"][t] = v
+    for run in runs.values():
+        counts: dict[str, int] = {}
+        for v in run["tests"].values():
+            v = {"ERROR": "FAILED", "XFAIL": "SKIPPED", "XPASS": "PASSED"}.get(v, v)
+            counts[v] = counts.get(v, 0) + 1
+        run["counts"] = counts
+    return runs
+
 
 if __name__ == "__main__":
     main()

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-VERDICT = re.compile(r"(\S+\.py::\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+VERDICT = re.compile(r"(\S+\.py::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
 RANK_ORDER = {"ERROR": 4, "FAILED": 4, "CRASH": 5, "SKIPPED": 1, "XFAIL": 1, "PASSED": 0, "XPASS": 0}
 
 
@@ -111,6 +111,17 @@ def _keep(args, outdir: Path) -> None:
         shutil.copytree(outdir, dest)
 
 
+def _earlier_verdicts(paths: list[str], mode: str, ids: list[str]) -> dict[str, str]:
+    """The verdicts (other than NOTRUN) that earlier runs of the same mode wrote for tests among ``ids``."""
+    found: dict[str, str] = {}
+    for path in paths:
+        earlier = json.loads(Path(path).read_text())
+        if earlier.get("mode") != mode:
+            raise SystemExit(f"--done {path}: a run with mode {earlier.get('mode')!r}, this one is {mode!r}")
+        found.update({t: v for t, v in earlier.get("tests", {}).items() if t in ids and v != "NOTRUN"})
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--suite", required=True, help="path of Horovod's test_torch.py (a local copy)")
@@ -138,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=0.0, metavar="S",
                     help="stop after S seconds: the running job is ended, the tests it finished keep their "
                          "verdicts and the rest are reported NOTRUN (0: no deadline)")
+    ap.add_argument("--done", action="append", default=[], metavar="JSON",
+                    help="an earlier run's --json (repeatable): its tests with a verdict other than NOTRUN keep "
+                         "that verdict and are not run again; only the rest run (a suite continued over sittings)")
     ap.add_argument("--json", default="")
     ap.add_argument("--keep-logs", default="",
                     help="copy every job's per-rank output (horovodrun's --output-filename folders) here")
@@ -162,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             ap.error(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
     ids = [t for t in collect(args.python, suite, env) if args.k in t][shard[0]::shard[1]]
-    results: dict[str, str] = {}
-    remaining = list(ids)
+    results: dict[str, str] = _earlier_verdicts(args.done, "BLINK_ENABLE=1" if args.blink else "stock", ids)
+    remaining = [t for t in ids if t not in results]
+    if args.done:
+        print(f"[ref] {len(results)} of {len(ids)} verdicts taken from --done; {len(remaining)} tests to run",
+              file=sys.stderr, flush=True)
     retried: set[str] = set()
     jobs = 0
     t0 = time.time()
