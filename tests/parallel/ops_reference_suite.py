@@ -20,7 +20,9 @@ only if it passed on every rank; it fails if it failed on any.
         -H localhost:2 [--blink] [--json out.json]
 
 Prints the counts (passed, failed, skipped, crashed) and, with ``--json``,
-writes every test's verdict.
+writes every test's verdict.  ``--shard I/N`` runs one of N interleaved shares
+(several can run at once), ``--deadline`` stops in time and reports the rest
+``NOTRUN``, and ``--done`` continues from an earlier run's ``--json``.
 """
 
 from __future__ import annotations
