@@ -16,7 +16,8 @@
 #   hvdtest  Horovod's test/parallel/test_torch.py at -np 2, stock and Blink side by side (.carry/hvd-tests);
 #            HVDTEST_SHARD=I/N runs the I-th of N shares of it (the suite takes longer than one call there),
 #            HVDTEST_JOBS=N all N shares at once, HVDTEST_DONE=DIR (an earlier call's hvdtest*.json) only
-#            the tests that have no verdict there
+#            the tests that have no verdict there; HVDTEST_TIMEOUT a test's limit (default 60 s) and
+#            HVDTEST_KEEP=1 keeps every job's per-rank output
 #
 #   OUT=/tmp/out STEPS="build exact" bash benchmarks/gpu_ops_acceptance.sh
 #
@@ -169,9 +170,10 @@ step_hvdtest() {
             log "start $name"
             ( timeout -k 5 "$limit" python3 tests/parallel/ops_reference_suite.py \
                 --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo $blink \
-                --horovodrun "$(command -v horovodrun)" --test-timeout 60 --timeout-method thread --deadline $((limit - 15)) \
+                --horovodrun "$(command -v horovodrun)" --test-timeout ${HVDTEST_TIMEOUT:-60} --timeout-method thread --deadline $((limit - 15)) \
                 $([ "$jobs" -gt 1 ] && echo "--shard $i/$jobs" || echo "${HVDTEST_SHARD:+--shard $HVDTEST_SHARD}") \
-                "${done_args[@]}" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+                ${HVDTEST_KEEP:+--keep-logs "$OUT/ranks/$name"} "${done_args[@]}" --json "$OUT/$name.json" \
+                >"$OUT/$name.log" 2>&1
               log "rc=$? $name" ) &
             pids+=($!)
         done

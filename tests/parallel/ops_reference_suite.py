@@ -57,9 +57,15 @@ def collect(python: str, suite: Path, env: dict) -> list[str]:
     return ids
 
 
-def run_job(args, ids: list[str], env: dict, outdir: Path, limit: float | None = None) -> tuple[dict[str, str], bool]:
+# what pytest-timeout prints before it ends a rank whose test ran past --test-timeout
+TIMEOUT_MARK = re.compile(r"\+{5,} Timeout \+{5,}")
+
+
+def run_job(args, ids: list[str], env: dict, outdir: Path,
+            limit: float | None = None) -> tuple[dict[str, str], bool, bool]:
     """One horovodrun job over ``ids`` (killed after ``limit`` seconds where given); returns (verdicts,
-    crashed): the verdicts of the tests that ended, whatever ended the job."""
+    crashed, timed_out): the verdicts of the tests that ended, whatever ended the job, and whether a
+    rank's test ran past --test-timeout (a hang, not an abort: running it again would hang again)."""
     shutil.rmtree(outdir, ignore_errors=True)
     cmd = [args.horovodrun, "-np", str(args.np), "-H", args.hosts, args.controller,
            "--output-filename", str(outdir),
@@ -83,12 +89,14 @@ def run_job(args, ids: list[str], env: dict, outdir: Path, limit: float | None =
         if rc not in (0, 1):
             print("\n".join((out or "").splitlines()[-15:]), file=sys.stderr)
     per_rank: list[dict[str, str]] = []
+    timed_out = False
     for rank_dir in sorted(outdir.glob("rank.*")):
         text = ""
         for name in ("stdout", "stderr"):
             f = rank_dir / name
             if f.exists():
                 text += f.read_text(errors="replace")
+        timed_out = timed_out or bool(TIMEOUT_MARK.search(text))
         # horovodrun prefixes every line with "[rank]<stdout>:"
         per_rank.append({re.sub(r"^.*>:", "", m.group(1)).split("/")[-1]: m.group(2) for m in VERDICT.finditer(text)})
     verdicts: dict[str, str] = {}
@@ -102,7 +110,7 @@ def run_job(args, ids: list[str], env: dict, outdir: Path, limit: float | None =
             continue
         verdicts[tid] = max(vs, key=lambda v: RANK_ORDER.get(v, 4))
     crashed = rc != 0 and len(verdicts) < len(ids) and not (rc == 1 and len(verdicts) == len(ids))
-    return verdicts, crashed
+    return verdicts, crashed, timed_out
 
 
 def _keep(args, outdir: Path) -> None:
@@ -198,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         while remaining and args.per_test and not out_of_time():
             tid = remaining.pop(0)
             jobs += 1
-            verdicts, _ = run_job(args, [tid], env, Path(tmp) / f"job{jobs}", left_s())
+            verdicts, _, _ = run_job(args, [tid], env, Path(tmp) / f"job{jobs}", left_s())
             if tid not in verdicts and out_of_time():
                 remaining.insert(0, tid)
                 break
@@ -208,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         while remaining and not out_of_time():
             jobs += 1
             started = time.time()
-            verdicts, crashed = run_job(args, remaining, env, Path(tmp) / f"job{jobs}", left_s())
+            verdicts, crashed, timed_out = run_job(args, remaining, env, Path(tmp) / f"job{jobs}", left_s())
             _keep(args, Path(tmp) / f"job{jobs}")
             results.update(verdicts)
             done = [t for t in remaining if t in verdicts]
@@ -225,15 +233,17 @@ def main(argv: list[str] | None = None) -> int:
                 break
             # The first test without a verdict was running when the job died.  Stock Horovod's
             # aborts come from the hvd.init() after the previous test's hvd.shutdown(), so the
-            # test gets one more chance as the first test of a fresh job before it counts as CRASH.
+            # test gets one more chance as the first test of a fresh job before it counts as CRASH
+            # (not one that ran past its timeout: that is a hang, and would hang again).
             victim = left[0]
-            if victim == remaining[0] or victim in retried:
+            if victim == remaining[0] or victim in retried or timed_out:
                 results[victim] = "CRASH"
                 remaining = left[1:]
             else:
                 retried.add(victim)
                 remaining = left
-            print(f"[ref] job {jobs}: {victim} crashed the job ({'counted' if victim in results else 'retrying'}); "
+            print(f"[ref] job {jobs}: {victim} {'timed out' if timed_out else 'crashed the job'} "
+                  f"({'counted' if victim in results else 'retrying'}); "
                   f"{len(remaining)} tests left", file=sys.stderr, flush=True)
         for t in remaining:
             results.setdefault(t, "NOTRUN")
