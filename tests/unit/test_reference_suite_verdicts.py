@@ -1,0 +1,73 @@
+"""How the driver of Horovod's own test_torch.py reads verdicts, continues an earlier run and merges
+shares (tests/parallel/ops_reference_suite.py, benchmarks/gpu_ops_summary.py): the logic a GPU call's
+verdicts go through, checked without Horovod."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+suite = _load("ops_reference_suite", ROOT / "tests" / "parallel" / "ops_reference_suite.py")
+summary = _load("gpu_ops_summary", ROOT / "benchmarks" / "gpu_ops_summary.py")
+
+A, B, C = ("test_torch.py::TorchTests::test_a", "test_torch.py::TorchTests::test_b", "test_torch.py::TorchTests::test_c")
+
+
+def _run(path: Path, mode: str, tests: dict[str, str], shard: str = "0/1") -> str:
+    path.write_text(json.dumps({"mode": mode, "np": 2, "hosts": "localhost:2", "controller": "--gloo",
+                                "shard": shard, "counts": {}, "jobs": 1, "retried": [], "tests": tests}))
+    return str(path)
+
+
+def test_verdict_lines_of_class_and_module_tests_are_read():
+    lines = ("[1]<stdout>:test_torch.py::TorchTests::test_a PASSED\n"
+             "[0]<stdout>:test_tiny.py::test_b FAILED\n")
+    found = {m.group(1).split(">:")[-1]: m.group(2) for m in suite.VERDICT.finditer(lines)}
+    assert found == {"test_torch.py::TorchTests::test_a": "PASSED", "test_tiny.py::test_b": "FAILED"}
+
+
+def test_pytest_timeouts_banner_marks_a_hang():
+    assert suite.TIMEOUT_MARK.search("[0]<stderr>:" + "+" * 35 + " Timeout " + "+" * 35)
+    assert not suite.TIMEOUT_MARK.search("[0]<stdout>:test_torch.py::TorchTests::test_timeout_x PASSED")
+
+
+def test_an_earlier_runs_verdicts_are_kept_except_notrun(tmp_path):
+    first = _run(tmp_path / "a.json", "stock", {A: "PASSED", B: "NOTRUN", C: "CRASH"})
+    later = _run(tmp_path / "b.json", "stock", {A: "FAILED"})
+    # the later file wins, NOTRUN is not a verdict, and tests outside this share are left out
+    assert suite._earlier_verdicts([first, later], "stock", [A, B]) == {A: "FAILED"}
+    assert suite._earlier_verdicts([first], "stock", [A, B, C]) == {A: "PASSED", C: "CRASH"}
+
+
+def test_an_earlier_run_of_the_other_mode_is_refused_by_name(tmp_path):
+    blink = _run(tmp_path / "hvdtest_blink.json", "BLINK_ENABLE=1", {A: "PASSED"})
+    with pytest.raises(SystemExit, match=r"hvdtest_blink\.json: a run with mode 'BLINK_ENABLE=1', this one is 'stock'"):
+        suite._earlier_verdicts([blink], "stock", [A])
+
+
+def test_shares_and_continued_calls_merge_per_mode(tmp_path):
+    _run(tmp_path / "hvdtest_0of2.json", "stock", {A: "PASSED", C: "NOTRUN"}, "0/2")
+    _run(tmp_path / "hvdtest_1of2.json", "stock", {B: "CRASH"}, "1/2")
+    _run(tmp_path / "hvdtest_z.json", "stock", {C: "ERROR", A: "NOTRUN"})  # a later call: NOTRUN keeps A's verdict
+    _run(tmp_path / "hvdtest_blink_0of1.json", "BLINK_ENABLE=1", {A: "PASSED", B: "XFAIL", C: "NOTRUN"})
+    runs = summary._hvdtest_runs(tmp_path)
+    assert set(runs) == {"stock", "BLINK_ENABLE=1"}
+    assert runs["stock"]["tests"] == {A: "PASSED", B: "CRASH", C: "ERROR"}
+    assert runs["stock"]["counts"] == {"PASSED": 1, "CRASH": 1, "FAILED": 1}
+    assert runs["stock"]["shards"] == ["0/2", "1/2", "0/1"] and runs["stock"]["files"] == 3
+    assert runs["BLINK_ENABLE=1"]["counts"] == {"PASSED": 1, "SKIPPED": 1, "NOTRUN": 1}
