@@ -23,14 +23,9 @@ every rank planning the same topology gets the same plan):
    fit?  With integral link counts this is Edmonds' integral arborescence
    packing — a DGX-1V broadcast is 6 (or fewer) single-NVLink trees — and
    equal rates keep chunks even (section 3.2.1); small k are proven
-   infeasible in milliseconds.  For allreduce (every link saturated) only
-   k <= 2, k = n, and the k that makes every link's capacity a whole number
-   of shares: there the optimum is itself an equal-share packing (Nash-
-   Williams' theorem on the links taken k times), often with repeated trees
-   — a DGX-1V, 24/7 links' worth, is 24 shares on 13 distinct trees.
+   infeasible in milliseconds.
 4. **Greedy heaviest-tree decomposition**, when no equal-share packing was
-   found (for allreduce also when one was, keeping whichever has fewer
-   trees): repeatedly fix the pool tree that can carry the most in an optimal
+   found: repeatedly fix the pool tree that can carry the most in an optimal
    packing of what is left (an LP ``max x_t`` with the rate held), subtract
    it, and continue until ``keep`` x the optimum is placed.
 5. **Count MILP** (HiGHS, node-limited, started from the incumbent) on small
@@ -48,12 +43,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import os
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from fractions import Fraction
 
 import numpy as np
 
@@ -72,7 +65,6 @@ SAFETY_TIME_S = 5.0
 MILP_MAX_POOL = 40  # candidate trees; above this the count MILP is skipped
 MAX_POOL = 150
 MAX_UNIFORM = 10
-MAX_WHOLE_SHARES = 64  # the whole-share program (allreduce) for at most this many equal shares
 _GREEDY_PROBES = 8  # trees whose largest possible weight is probed per greedy step
 GREEDY_MAX_LPS = 240
 
@@ -335,20 +327,6 @@ def _uniform_possible(cap: np.ndarray, price: np.ndarray, target: float, k: int)
     return best >= target * (1 - 1e-9)
 
 
-def _whole_share_count(cap: np.ndarray, limit: int = MAX_WHOLE_SHARES) -> int | None:
-    """The least ``k`` for which every capacity (units of the optimum) is a whole number of ``1/k``
-    shares, or None where none up to ``limit`` is (capacities that are not small fractions)."""
-    k = 1
-    for c in cap:
-        f = Fraction(float(c)).limit_denominator(limit)
-        if abs(float(f) - float(c)) > 1e-9 * max(1.0, float(c)):
-            return None
-        k = math.lcm(k, f.denominator)
-        if k > limit:
-            return None
-    return k
-
-
 def fewest_trees(
     net: Network,
     candidates: Iterable[TreeKey],
@@ -412,31 +390,23 @@ def fewest_trees(
         # infeasible also proves that no single tree reaches the optimum.  For
         # allreduce equal shares rarely fit (every link is saturated), so only
         # k <= 2 and k = n (one tree per root's share) are tried.
-        ks = list(range(1, min(len(fallback.trees), max_uniform + 1)))
+        ks = range(1, min(len(fallback.trees), max_uniform + 1))
         if not net.directed:
             ks = [k for k in ks if k <= 2 or k == net.n]
-            # ... and the share count that makes every link a whole number of shares (24 on a
-            # DGX-1V, whose optimum is 24/7 links' worth): there the optimum itself is a
-            # packing of equal shares (Nash-Williams on the links taken k times), which may
-            # repeat trees, so its distinct trees can be fewer than the greedy's.
-            whole = _whole_share_count(cap) if integral else None
-            if whole is not None and whole > 2 and whole not in ks:
-                ks.append(whole)
         for k in ks:
             if integral and not _uniform_possible(cap, y * opt, target, k):
                 continue
             found = _uniform(a, cap, target, k, effort)
-            if found is not None and len(found) < len(fallback.trees):
+            if found is not None:
                 incumbent = found
                 options.append(([j for j, _ in found], f"uniform-{k}"))
                 proven = k <= 2  # k = 1 was infeasible, so 2 is the fewest
                 break
-    if incumbent is None or (not net.directed and not proven):
-        limit = len(fallback.trees) - 1 if incumbent is None else len(incumbent) - 1
-        found = _greedy(a, cap, target, depth, limit)
-        if found is not None and len(found) <= limit:
+    if incumbent is None:
+        found = _greedy(a, cap, target, depth, len(fallback.trees) - 1)
+        if found is not None and len(found) < len(fallback.trees):
             incumbent = found
-            options.insert(0, ([j for j, _ in found], "greedy"))
+            options.append(([j for j, _ in found], "greedy"))
     best = len(incumbent) if incumbent is not None else len(fallback.trees)
     # The count MILP's root node alone can take seconds on big pools (and on allreduce
     # pools: every link saturated, highly symmetric), so it runs on small broadcast pools.

@@ -43,19 +43,6 @@ def test_known_values(name: str, collective: str, expected: float) -> None:
     _checked(plan, topo)
 
 
-def test_dgx1v_allreduce_is_whole_shares_of_its_optimum() -> None:
-    """600/7 GB/s is 24/7 links' worth: 24 equal shares fill every link exactly, and that packing
-    needs fewer distinct trees (13) and plan entries (15) than the greedy decomposition (15 and 21)."""
-    topo = machine("dgx1v")
-    plan = make_plan(topo, "allreduce", channels=["nvlink"])
-    assert plan.extras["refinement"]["nvlink"]["refinement"] == "uniform-24"
-    assert plan.extras["distinct_trees"] <= 13 and len(plan.trees) <= 15
-    assert plan.rate_gbps == pytest.approx(600.0 / 7, rel=1e-9)
-    shares = sorted({round(t.fraction * 24, 6) for t in plan.trees})  # whole 24ths of the data
-    assert all(abs(s - round(s)) < 1e-6 for s in shares)
-    _checked(plan, topo)
-
-
 def test_allreduce_gpu_i_roots_the_ith_nth() -> None:
     topo = resolve("dgx1v:5,1,0,4,7")  # an order that is not sorted
     plan = make_plan(topo, "allreduce", channels=["nvlink"])
