@@ -154,26 +154,28 @@ step_hvdtest() {
     # one GPU); HVDTEST_DONE=DIR takes the verdicts of an earlier call's hvdtest*.json there as they are,
     # so that only the tests without one run.
     in_time hvdtest || return
-    local limit jobs=${HVDTEST_JOBS:-1} pids=() done_args=() i
+    local limit jobs=${HVDTEST_JOBS:-1} pids=() done_args=() shares=("${HVDTEST_SHARD:-}") share name f i
     limit=$(cap ${HVDTEST_LIMIT:-480})
+    if [ "$jobs" -gt 1 ]; then
+        shares=()
+        for ((i = 0; i < jobs; i++)); do shares+=("$i/$jobs"); done
+    fi
     for blink in "" "--blink"; do
-        for ((i = 0; i < jobs; i++)); do
-            local name="hvdtest${blink:+_blink}${HVDTEST_SHARD:+_${HVDTEST_SHARD/\//of}}"
-            [ "$jobs" -gt 1 ] && name="hvdtest${blink:+_blink}_${i}of${jobs}"
-            done_args=()
-            if [ -n "${HVDTEST_DONE:-}" ]; then
-                for f in "$HVDTEST_DONE"/hvdtest${blink:+_blink}*.json; do
-                    [ -f "$f" ] && [ "${blink:-}" = "" ] && [[ "$f" == *_blink* ]] && continue
-                    [ -f "$f" ] && done_args+=(--done "$f")
-                done
-            fi
+        # this side's files only (hvdtest.json, hvdtest_IofN.json or hvdtest_blink*.json): --done refuses the other's
+        done_args=()
+        if [ -n "${HVDTEST_DONE:-}" ]; then
+            for f in "$HVDTEST_DONE/hvdtest${blink:+_blink}.json" "$HVDTEST_DONE"/hvdtest${blink:+_blink}_[0-9]*.json; do
+                [ -f "$f" ] && done_args+=(--done "$f")
+            done
+        fi
+        for share in "${shares[@]}"; do
+            name="hvdtest${blink:+_blink}${share:+_${share/\//of}}"
             log "start $name"
             ( timeout -k 5 "$limit" python3 tests/parallel/ops_reference_suite.py \
                 --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo $blink \
                 --horovodrun "$(command -v horovodrun)" --test-timeout ${HVDTEST_TIMEOUT:-60} --timeout-method thread --deadline $((limit - 15)) \
-                $([ "$jobs" -gt 1 ] && echo "--shard $i/$jobs" || echo "${HVDTEST_SHARD:+--shard $HVDTEST_SHARD}") \
-                ${HVDTEST_KEEP:+--keep-logs "$OUT/ranks/$name"} "${done_args[@]}" --json "$OUT/$name.json" \
-                >"$OUT/$name.log" 2>&1
+                ${share:+--shard "$share"} ${HVDTEST_KEEP:+--keep-logs "$OUT/ranks/$name"} "${done_args[@]}" \
+                --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
               log "rc=$? $name" ) &
             pids+=($!)
         done

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
@@ -110,13 +111,20 @@ def _hvdtest_runs(out: Path) -> dict[str, dict]:
         for t, v in r["tests"].items():
             if v != "NOTRUN" or t not in run["tests"]:
                 run["tests"][t] = v
-    for run in runs.values():
-        counts: dict[str, int] = {}
-        for v in run["tests"].values():
-            v = {"ERROR": "FAILED", "XFAIL": "SKIPPED", "XPASS": "PASSED"}.get(v, v)
-            counts[v] = counts.get(v, 0) + 1
-        run["counts"] = counts
+    if runs:
+        count = _reference_suite().count_verdicts
+        for run in runs.values():
+            run["counts"] = count(run["tests"].values())
     return runs
+
+
+def _reference_suite():
+    """tests/parallel/ops_reference_suite.py, the driver that wrote the hvdtest*.json (its verdict counting)."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "parallel" / "ops_reference_suite.py"
+    spec = importlib.util.spec_from_file_location("ops_reference_suite", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 VERDICT = re.compile(r"(\S+\.py::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
@@ -119,6 +120,15 @@ def _keep(args, outdir: Path) -> None:
         dest = Path(args.keep_logs) / outdir.name
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(outdir, dest)
+
+
+def count_verdicts(verdicts: Iterable[str]) -> dict[str, int]:
+    """How many of each verdict, pytest's ERROR, XFAIL and XPASS counted as FAILED, SKIPPED and PASSED."""
+    counts: dict[str, int] = {}
+    for v in verdicts:
+        v = {"ERROR": "FAILED", "XFAIL": "SKIPPED", "XPASS": "PASSED"}.get(v, v)
+        counts[v] = counts.get(v, 0) + 1
+    return counts
 
 
 def _earlier_verdicts(paths: list[str], mode: str, ids: list[str]) -> dict[str, str]:
@@ -247,11 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{len(remaining)} tests left", file=sys.stderr, flush=True)
         for t in remaining:
             results.setdefault(t, "NOTRUN")
-    counts: dict[str, int] = {}
-    for t in ids:
-        v = results.get(t, "CRASH")
-        v = {"ERROR": "FAILED", "XFAIL": "SKIPPED", "XPASS": "PASSED"}.get(v, v)
-        counts[v] = counts.get(v, 0) + 1
+    counts = count_verdicts(results.get(t, "CRASH") for t in ids)
     mode = "BLINK_ENABLE=1" if args.blink else "stock"
     print(f"[ref] {mode} -np {args.np} -H {args.hosts} {args.controller}: "
           f"{counts.get('PASSED', 0)} passed, {counts.get('FAILED', 0)} failed, {counts.get('SKIPPED', 0)} skipped, "
