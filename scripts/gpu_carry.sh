@@ -59,8 +59,11 @@ else
     else
         log "horovod-$HVD_VERSION.tar.gz: downloading"
         # --no-build-isolation: pip reads the sdist's metadata with this interpreter's
-        # setuptools instead of fetching its own.
+        # setuptools instead of fetching its own; an interpreter without the wheel package
+        # cannot (no bdist_wheel), so then pip's own isolated build reads it.
         quiet_pip download "${PIP_QUIET[@]}" --no-deps --no-binary :all: --no-build-isolation \
+            -d "$CARRY" "horovod==$HVD_VERSION" >/dev/null \
+        || quiet_pip download "${PIP_QUIET[@]}" --no-deps --no-binary :all: \
             -d "$CARRY" "horovod==$HVD_VERSION"
     fi
     [ -f "$SDIST" ] || die "no $SDIST after the download"
