@@ -19,6 +19,11 @@ only if it passed on every rank; it fails if it failed on any.
     python tests/parallel/ops_reference_suite.py --suite .build/hvd-tests/parallel/test_torch.py -np 2 \\
         -H localhost:2 [--blink] [--json out.json]
 
+Every rank loads ``ops_workers/reference_suite_plugin.py``: where local ranks
+share GPUs, the suite's ``cuda:<local rank>`` is placed on the GPUs there are
+(it assumes one GPU per local rank), and each failure's reason is printed as
+it happens.
+
 Prints the counts (passed, failed, skipped, crashed) and, with ``--json``,
 writes every test's verdict.  ``--shard I/N`` runs one of N interleaved shares
 (several can run at once), ``--deadline`` stops in time and reports the rest
@@ -58,6 +63,10 @@ def collect(python: str, suite: Path, env: dict) -> list[str]:
     return ids
 
 
+# Loaded into every rank (its folder on PYTHONPATH): CUDA ordinals placed on the GPUs that local ranks
+# share, and each failure's reason printed as it happens.
+PLUGIN = Path(__file__).resolve().parent / "ops_workers" / "reference_suite_plugin.py"
+
 # what pytest-timeout prints before it ends a rank whose test ran past --test-timeout
 TIMEOUT_MARK = re.compile(r"\+{5,} Timeout \+{5,}")
 
@@ -70,7 +79,8 @@ def run_job(args, ids: list[str], env: dict, outdir: Path,
     shutil.rmtree(outdir, ignore_errors=True)
     cmd = [args.horovodrun, "-np", str(args.np), "-H", args.hosts, args.controller,
            "--output-filename", str(outdir),
-           args.python, "-m", "pytest", "-v", *_isolated(Path(args.suite).resolve()), f"--timeout={args.test_timeout}",
+           args.python, "-m", "pytest", "-v", *_isolated(Path(args.suite).resolve()), "-p", PLUGIN.stem,
+           f"--timeout={args.test_timeout}",
            f"--timeout-method={args.timeout_method}", *ids]
     timeout = args.job_timeout if len(ids) > 1 or not args.per_test else args.test_timeout + 120
     if limit is not None:
@@ -179,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
     env["PATH"] = os.path.dirname(args.python) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN.parent), env.get("PYTHONPATH", "")) if p)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     if args.blink:

@@ -24,6 +24,7 @@ def _load(name: str, path: Path):
 
 suite = _load("ops_reference_suite", ROOT / "tests" / "parallel" / "ops_reference_suite.py")
 summary = _load("gpu_ops_summary", ROOT / "benchmarks" / "gpu_ops_summary.py")
+plugin = _load("reference_suite_plugin", suite.PLUGIN)
 
 A, B, C = ("test_torch.py::TorchTests::test_a", "test_torch.py::TorchTests::test_b", "test_torch.py::TorchTests::test_c")
 
@@ -71,3 +72,25 @@ def test_shares_and_continued_calls_merge_per_mode(tmp_path):
     assert runs["stock"]["counts"] == {"PASSED": 1, "CRASH": 1, "FAILED": 1}
     assert runs["stock"]["shards"] == ["0/2", "1/2", "0/1"] and runs["stock"]["files"] == 3
     assert runs["BLINK_ENABLE=1"]["counts"] == {"PASSED": 1, "SKIPPED": 1, "NOTRUN": 1}
+
+
+def test_cuda_ordinals_past_the_visible_gpus_are_placed_on_them():
+    torch = pytest.importorskip("torch")
+    m = plugin.shared_ordinal
+    # one GPU shared by two local ranks: rank 1's cuda:1 is the one GPU
+    assert m(1, 1) == 0 and m(0, 1) == 0 and m(5, 2) == 1 and m(1, 2) == 1
+    assert m("cuda:1", 1) == "cuda:0" and m("cuda:3", 2) == "cuda:1" and m("cuda:1", 2) == "cuda:1"
+    assert m(torch.device("cuda", 1), 1) == torch.device("cuda", 0)
+    # what names no CUDA ordinal is left as it is
+    for other in ("cuda", "cpu", torch.float16, torch.device("cpu"), torch.device("cuda"), True, None):
+        assert m(other, 1) == other
+    # the plugin is loaded into every rank's pytest by name, from the folder put on PYTHONPATH
+    assert suite.PLUGIN.exists()
+
+
+def test_a_failure_reason_is_its_E_lines_on_one_line():
+    text = "    def test_x(self):\n>       assert 1 == 2\nE       assert 1 == 2\nE        +  where x\n\nfile.py:3: AssertionError"
+    assert plugin.failure_reason(text) == "assert 1 == 2 | +  where x"
+    assert plugin.failure_reason("a\nb\nc\nd") == "b | c | d"
+    # the printed line carries no "ID VERDICT" pair the driver would read as a verdict
+    assert not suite.VERDICT.search(f"{plugin.PREFIX} failure in call of {A} - FAILED to converge")
