@@ -7,7 +7,8 @@
      +-- TopologyError              a topology (file, built-in name, probe) is invalid
      +-- PlanError                  a plan cannot be made, or a plan file is invalid
      +-- ScheduleError              a program cannot be compiled, or fails the symbolic check
-     +-- MismatchError              ranks disagree on a collective (shape, dtype, op, root, name)
+     +-- MismatchError              ranks disagree on a collective (shape, dtype, op, root, name),
+                                    or one call's tensors do (a group on several devices)
      +-- BlinkTimeoutError          a collective did not finish within BLINK_TIMEOUT_SECONDS
      +-- BlinkInternalError         the runtime failed (a peer died, a transport broke)
 
@@ -58,7 +59,8 @@ class ScheduleError(BlinkError):
 
 
 class MismatchError(BlinkError):
-    """Ranks submitted different collectives (shape, dtype, op, root or name)."""
+    """Ranks submitted different collectives (shape, dtype, op, root or name), or the tensors of one
+    call disagree (a grouped allreduce over tensors on different devices)."""
 
 
 class BlinkTimeoutError(BlinkError, TimeoutError):

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, MismatchError
 from .adapter import Adapter, StockView
 from .engine import Handle, StockWaiter, Work
 from .errors_bridge import as_horovod_error
@@ -239,8 +239,12 @@ def _allreduce_common(tensors, outputs, name, op, pre, post, process_set, stock_
     if grouped:
         for t in tensors[1:]:
             _horovod_check(factory, t)
-        if len({t.device for t in tensors}) > 1:
-            raise ValueError("Tensors in grouped allreduce must all be on the same device")
+        devices = [str(t.device) for t in tensors]
+        if len(set(devices)) > 1:
+            # a RuntimeError, as stock Horovod's (its suite expects one), naming where each tensor is
+            where = "; ".join(f"{d}: tensors {[i for i, x in enumerate(devices) if x == d]}"
+                              for d in dict.fromkeys(devices))
+            raise MismatchError(f"Tensors in grouped allreduce must all be on the same device ({where})")
     opname = _op_name(op)
     if opname == "adasum":
         return _stock("adasum", "Adasum reduction", process_set, stock_call, name, tensors)
