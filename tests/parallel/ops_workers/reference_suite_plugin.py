@@ -13,12 +13,20 @@ It does the same on stock and ``BLINK_ENABLE=1`` runs, so the two stay comparabl
    tensors of the one GPU, which Blink reaches through its peers' IPC mappings as on many GPUs.
 2. **Why a test failed, at once.**  pytest prints failure details at the end of the session, which a
    job that later hangs never reaches; each failure's ``E`` lines are printed as it happens.
+3. **When each rank left its collectives**, for the tests named in ``REFERENCE_SUITE_TRACE``
+   (comma-separated parts of test ids): every ``hvd.allreduce_``, ``hvd.allreduce`` and
+   ``hvd.barrier`` of those tests prints its rank and wall times on entry and return, so that a
+   timing-sensitive test (``test_global_barrier_op`` times the barrier from the return of the
+   allreduce before it) can be read rank against rank.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
+
+import pytest
 
 PREFIX = "[reference-suite]"
 
@@ -83,8 +91,44 @@ def place_ordinals_on_shared_gpus() -> int:
     return count
 
 
+TRACED = ("allreduce_", "allreduce", "barrier")
+_tracing: dict[str, str | None] = {"test": None}
+_traces: list[str] = []
+
+
+def trace_collectives(tests: list[str]) -> None:
+    """Wrap ``horovod.torch``'s ``TRACED`` functions: within a test whose id contains one of ``tests``,
+    each call prints "trace ID rank R: NAME ENTERED -> RETURNED" (wall times, seconds)."""
+    import horovod.torch as hvd
+
+    def traced(name: str, fn):
+        def call(*args, **kwargs):
+            test = _tracing["test"]
+            if test is None:
+                return fn(*args, **kwargs)
+            entered = time.time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                # kept until the test's report: pytest captures what a test prints
+                _traces.append(f"{PREFIX} trace {test} rank {hvd.rank()}: {name} {entered:.6f} -> {time.time():.6f}")
+        return call
+
+    for name in TRACED:
+        setattr(hvd, name, traced(name, getattr(hvd, name)))
+    _tracing["parts"] = ",".join(tests)  # type: ignore[assignment]
+
+
 def pytest_configure(config) -> None:
     place_ordinals_on_shared_gpus()
+    tests = [t for t in os.environ.get("REFERENCE_SUITE_TRACE", "").split(",") if t]
+    if tests:
+        trace_collectives(tests)
+
+
+def pytest_runtest_setup(item) -> None:
+    parts = (_tracing.get("parts") or "").split(",")
+    _tracing["test"] = item.nodeid if any(p and p in item.nodeid for p in parts) else None
 
 
 def failure_reason(text: str, limit: int = 6) -> str:
@@ -95,7 +139,11 @@ def failure_reason(text: str, limit: int = 6) -> str:
     return " | ".join(lines[:limit])[:2000]
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own "ID VERDICT" line, which the driver reads
 def pytest_runtest_logreport(report) -> None:
+    if _traces and report.when == "call":
+        print("\n" + "\n".join(_traces), flush=True)
+        _traces.clear()
     if report.failed:
         # (no "ID VERDICT" here: the driver reads verdicts from pytest's own -v lines)
         print(f"\n{PREFIX} failure in {report.when} of {report.nodeid} - {failure_reason(report.longreprtext)}",
