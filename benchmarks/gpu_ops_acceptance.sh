@@ -17,7 +17,8 @@
 #            HVDTEST_SHARD=I/N runs the I-th of N shares of it (the suite takes longer than one call there),
 #            HVDTEST_JOBS=N all N shares at once, HVDTEST_DONE=DIR (an earlier call's hvdtest*.json) only
 #            the tests that have no verdict there; HVDTEST_TIMEOUT a test's limit (default 60 s) and
-#            HVDTEST_KEEP=1 keeps every job's per-rank output
+#            HVDTEST_KEEP=1 keeps every job's per-rank output; REFERENCE_SUITE_TRACE (default
+#            test_global_barrier_op) names the tests whose collectives every rank traces
 #
 #   OUT=/tmp/out STEPS="build exact" bash benchmarks/gpu_ops_acceptance.sh
 #
@@ -154,6 +155,8 @@ step_hvdtest() {
     # one GPU); HVDTEST_DONE=DIR takes the verdicts of an earlier call's hvdtest*.json there as they are,
     # so that only the tests without one run.
     in_time hvdtest || return
+    # the one timing-sensitive test: when each rank left the allreduce and the barrier (per-rank logs)
+    export REFERENCE_SUITE_TRACE=${REFERENCE_SUITE_TRACE-test_global_barrier_op}
     local limit jobs=${HVDTEST_JOBS:-1} pids=() done_args=() shares=("${HVDTEST_SHARD:-}") share name f i
     limit=$(cap ${HVDTEST_LIMIT:-480})
     if [ "$jobs" -gt 1 ]; then
