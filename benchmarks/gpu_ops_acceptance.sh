@@ -141,12 +141,18 @@ step_step() {
         done
     done
 }
+HVDTEST_SHA256=2d59e8dbc4b8af50f4830312709bd305d1989b6f4c2519c5a2e447d64da4496a
 step_hvdtest() {
     wait_build
     if [ ! -f .carry/hvd-tests/parallel/test_torch.py ]; then
         log "hvdtest skipped: no .carry/hvd-tests/parallel/test_torch.py (copy Horovod's test/parallel/test_torch.py and test/utils/common.py to .carry/hvd-tests/{parallel,utils} first)"
         return
     fi
+    # the copy whose verdicts docs/integration.md reports (section 4): say whether this one is it
+    local sum
+    sum=$(sha256sum .carry/hvd-tests/parallel/test_torch.py | cut -c1-64)
+    [ "$sum" = "$HVDTEST_SHA256" ] && log "hvdtest: test_torch.py is the documented copy" \
+        || log "hvdtest: test_torch.py sha256 $sum is not the documented copy's $HVDTEST_SHA256"
     # Horovod's test/utils/common.py imports mock, which the GPU machine lacks: the carried wheel
     python3 -c "import mock" 2>/dev/null || python3 -m pip install -q --no-deps --no-index .carry/mock-*.whl \
         >>"$OUT/steps.txt" 2>&1
