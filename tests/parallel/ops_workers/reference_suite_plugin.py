@@ -37,7 +37,7 @@ def shared_ordinal(device: Any, count: int) -> Any:
     if count <= 0 or isinstance(device, bool):
         return device
     if isinstance(device, int):
-        return device % count if device >= count else device
+        return device % count if device >= 0 else device
     if isinstance(device, str):
         kind, _, index = device.partition(":")
         if kind == "cuda" and index.isdigit() and int(index) >= count:
@@ -92,18 +92,19 @@ def place_ordinals_on_shared_gpus() -> int:
 
 
 TRACED = ("allreduce_", "allreduce", "barrier")
-_tracing: dict[str, str | None] = {"test": None}
+TRACE_PARTS = [t for t in os.environ.get("REFERENCE_SUITE_TRACE", "").split(",") if t]
+_traced_test: list[str | None] = [None]  # the running test's id where TRACE_PARTS names it
 _traces: list[str] = []
 
 
-def trace_collectives(tests: list[str]) -> None:
-    """Wrap ``horovod.torch``'s ``TRACED`` functions: within a test whose id contains one of ``tests``,
-    each call prints "trace ID rank R: NAME ENTERED -> RETURNED" (wall times, seconds)."""
+def trace_collectives() -> None:
+    """Wrap ``horovod.torch``'s ``TRACED`` functions: within a test whose id contains one of
+    ``TRACE_PARTS``, each call records "trace ID rank R: NAME ENTERED -> RETURNED" (wall times, s)."""
     import horovod.torch as hvd
 
     def traced(name: str, fn):
         def call(*args, **kwargs):
-            test = _tracing["test"]
+            test = _traced_test[0]
             if test is None:
                 return fn(*args, **kwargs)
             entered = time.time()
@@ -116,19 +117,16 @@ def trace_collectives(tests: list[str]) -> None:
 
     for name in TRACED:
         setattr(hvd, name, traced(name, getattr(hvd, name)))
-    _tracing["parts"] = ",".join(tests)  # type: ignore[assignment]
 
 
 def pytest_configure(config) -> None:
     place_ordinals_on_shared_gpus()
-    tests = [t for t in os.environ.get("REFERENCE_SUITE_TRACE", "").split(",") if t]
-    if tests:
-        trace_collectives(tests)
+    if TRACE_PARTS:
+        trace_collectives()
 
 
 def pytest_runtest_setup(item) -> None:
-    parts = (_tracing.get("parts") or "").split(",")
-    _tracing["test"] = item.nodeid if any(p and p in item.nodeid for p in parts) else None
+    _traced_test[0] = item.nodeid if any(p in item.nodeid for p in TRACE_PARTS) else None
 
 
 def failure_reason(text: str, limit: int = 6) -> str:
