@@ -18,7 +18,8 @@
 #            HVDTEST_JOBS=N all N shares at once, HVDTEST_DONE=DIR (an earlier call's hvdtest*.json) only
 #            the tests that have no verdict there; HVDTEST_TIMEOUT a test's limit (default 60 s) and
 #            HVDTEST_KEEP=1 keeps every job's per-rank output; REFERENCE_SUITE_TRACE (default
-#            test_global_barrier_op) names the tests whose collectives every rank traces
+#            test_global_barrier_op) names the tests whose collectives every rank traces; then the tests
+#            whose verdicts differ run again alone, one job per test and side (HVDTEST_ALONE=0: not)
 #
 #   OUT=/tmp/out STEPS="build exact" bash benchmarks/gpu_ops_acceptance.sh
 #
@@ -190,6 +191,22 @@ step_hvdtest() {
         done
     done
     wait "${pids[@]}"
+    # The tests whose verdicts differ run again, one job per test and side, stock then Blink, with nothing
+    # else on the machine (HVDTEST_ALONE=0: not): a verdict that the shares' load decided shows as such.
+    local names only=()
+    names=$(python3 benchmarks/gpu_ops_summary.py --differing "$OUT")
+    [ "${HVDTEST_ALONE:-1}" = 1 ] && [ -n "$names" ] && in_time hvdtest_alone || return 0
+    for name in $names; do only+=(--only "$name"); done
+    for blink in "" "--blink"; do
+        name="alone${blink:+_blink}"
+        log "start $name: $(echo $names)"
+        timeout -k 5 "$(cap $((${#only[@]} / 2 * 40 + 30)))" python3 tests/parallel/ops_reference_suite.py \
+            --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo $blink \
+            --horovodrun "$(command -v horovodrun)" --test-timeout ${HVDTEST_TIMEOUT:-60} --timeout-method thread \
+            --per-test "${only[@]}" ${HVDTEST_KEEP:+--keep-logs "$OUT/ranks/$name"} --json "$OUT/$name.json" \
+            >"$OUT/$name.log" 2>&1
+        log "rc=$? $name"
+    done
 }
 for s in $STEPS; do
     declare -F "step_$s" >/dev/null || { log "unknown step $s (build runtime exact faults train step hvdtest)"; continue; }

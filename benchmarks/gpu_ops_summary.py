@@ -1,6 +1,8 @@
 """The summary of benchmarks/gpu_ops_acceptance.sh: one small markdown file from the step logs.
 
     python benchmarks/gpu_ops_summary.py OUT_DIR > OUT_DIR/summary.md
+    python benchmarks/gpu_ops_summary.py --differing OUT_DIR   # the reference suite's tests whose verdicts
+                                                               # differ between stock and Blink, one per line
 """
 
 from __future__ import annotations
@@ -93,11 +95,24 @@ def main() -> None:
         print(f"\n- Horovod's test_torch.py, {mode} -np {run['np']} ({run['files']} file(s), shares "
               f"{', '.join(run['shards'])}): {run['counts']}")
     if len(runs) == 2:
-        va, vb = runs["stock"]["tests"], runs["BLINK_ENABLE=1"]["tests"]
-        both = [k for k in sorted(set(va) | set(vb)) if "NOTRUN" not in (va.get(k, "NOTRUN"), vb.get(k, "NOTRUN"))]
-        diff = {k: (va.get(k), vb.get(k)) for k in both if va.get(k) != vb.get(k)}
+        both, diff = _hvdtest_compared(runs)
         print(f"- verdicts compared (tests run both ways): {len(both)}; those that differ (stock, blink): "
               f"{diff or 'none'}")
+    alone = {side: json.loads(p.read_text())["tests"] for side, p in
+             (("stock", out / "alone.json"), ("blink", out / "alone_blink.json")) if p.exists()}
+    if alone:
+        print("- those run again alone, stock then Blink, one job per test and nothing else running "
+              "(stock, blink): " + ", ".join(
+                  f"{t.rsplit('::', 1)[-1]} ({alone.get('stock', {}).get(t, 'not run')}, "
+                  f"{alone.get('blink', {}).get(t, 'not run')})"
+                  for t in sorted(set().union(*alone.values()))))
+
+
+def _hvdtest_compared(runs: dict[str, dict]) -> tuple[list[str], dict[str, tuple]]:
+    """The tests with a verdict on both sides, and those whose verdicts differ: {test: (stock, blink)}."""
+    va, vb = runs["stock"]["tests"], runs["BLINK_ENABLE=1"]["tests"]
+    both = [k for k in sorted(set(va) | set(vb)) if "NOTRUN" not in (va.get(k, "NOTRUN"), vb.get(k, "NOTRUN"))]
+    return both, {k: (va.get(k), vb.get(k)) for k in both if va.get(k) != vb.get(k)}
 
 def _hvdtest_runs(out: Path) -> dict[str, dict]:
     """Every hvdtest*.json of the reference suite (shares run at once, or continued over calls), merged
@@ -128,4 +143,9 @@ def _reference_suite():
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--differing"]:
+        found = _hvdtest_runs(Path(sys.argv[2]))
+        if len(found) == 2:
+            print("\n".join(t.rsplit("::", 1)[-1] for t in _hvdtest_compared(found)[1]))
+    else:
+        main()

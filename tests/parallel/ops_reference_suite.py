@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-method", default="signal", choices=["signal", "thread"],
                     help="pytest-timeout's method inside the ranks (thread: a hung rank exits)")
     ap.add_argument("-k", default="", help="only tests whose id contains this")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="only the test named NAME, exactly (repeatable; test_x does not select test_x_y)")
     ap.add_argument("--shard", default="", metavar="I/N",
                     help="only the I-th of N interleaved shares of the tests (0 <= I < N), so that a suite too long "
                          "for one sitting runs in N")
@@ -206,7 +208,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError
         except ValueError:
             ap.error(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
-    ids = [t for t in collect(args.python, suite, env) if args.k in t][shard[0]::shard[1]]
+    ids = [t for t in collect(args.python, suite, env) if args.k in t]
+    if args.only:
+        unknown = sorted(set(args.only) - {t.rsplit("::", 1)[-1] for t in ids})
+        if unknown:
+            ap.error(f"--only: no test named {', '.join(unknown)} in {suite}" + (f" (-k {args.k!r})" if args.k else ""))
+        ids = [t for t in ids if t.rsplit("::", 1)[-1] in args.only]
+    ids = ids[shard[0]::shard[1]]
     results: dict[str, str] = _earlier_verdicts(args.done, "BLINK_ENABLE=1" if args.blink else "stock", ids)
     remaining = [t for t in ids if t not in results]
     if args.done:

@@ -94,3 +94,16 @@ def test_a_failure_reason_is_its_E_lines_on_one_line():
     assert plugin.failure_reason("a\nb\nc\nd") == "b | c | d"
     # the printed line carries no "ID VERDICT" pair the driver would read as a verdict
     assert not suite.VERDICT.search(f"{plugin.PREFIX} failure in call of {A} - FAILED to converge")
+
+
+def test_the_differing_verdicts_are_named_for_a_run_alone(tmp_path, capsys, monkeypatch):
+    _run(tmp_path / "hvdtest_0of1.json", "stock", {A: "PASSED", B: "FAILED", C: "NOTRUN"})
+    _run(tmp_path / "hvdtest_blink_0of1.json", "BLINK_ENABLE=1", {A: "FAILED", B: "FAILED", C: "PASSED"})
+    both, diff = summary._hvdtest_compared(summary._hvdtest_runs(tmp_path))
+    # C has no verdict on the stock side: not compared, so not run again
+    assert both == [A, B] and diff == {A: ("PASSED", "FAILED")}
+    (tmp_path / "alone.json").write_text(json.dumps({"tests": {A: "PASSED"}}))
+    (tmp_path / "alone_blink.json").write_text(json.dumps({"tests": {A: "PASSED"}}))
+    monkeypatch.setattr("sys.argv", ["gpu_ops_summary.py", str(tmp_path)])
+    summary.main()
+    assert "(stock, blink): test_a (PASSED, PASSED)" in capsys.readouterr().out
