@@ -181,11 +181,7 @@ step_hvdtest() {
         for share in "${shares[@]}"; do
             name="hvdtest${blink:+_blink}${share:+_${share/\//of}}"
             log "start $name"
-            ( timeout -k 5 "$limit" python3 tests/parallel/ops_reference_suite.py \
-                --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo $blink \
-                --horovodrun "$(command -v horovodrun)" --test-timeout ${HVDTEST_TIMEOUT:-60} --timeout-method thread --deadline $((limit - 15)) \
-                ${share:+--shard "$share"} ${HVDTEST_KEEP:+--keep-logs "$OUT/ranks/$name"} "${done_args[@]}" \
-                --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+            ( hvdref "$name" "$limit" $blink --deadline $((limit - 15)) ${share:+--shard "$share"} "${done_args[@]}"
               log "rc=$? $name" ) &
             pids+=($!)
         done
@@ -200,13 +196,17 @@ step_hvdtest() {
     for blink in "" "--blink"; do
         name="alone${blink:+_blink}"
         log "start $name: $(echo $names)"
-        timeout -k 5 "$(cap $((${#only[@]} / 2 * 40 + 30)))" python3 tests/parallel/ops_reference_suite.py \
-            --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo $blink \
-            --horovodrun "$(command -v horovodrun)" --test-timeout ${HVDTEST_TIMEOUT:-60} --timeout-method thread \
-            --per-test "${only[@]}" ${HVDTEST_KEEP:+--keep-logs "$OUT/ranks/$name"} --json "$OUT/$name.json" \
-            >"$OUT/$name.log" 2>&1
+        hvdref "$name" "$(cap $((${#only[@]} / 2 * 40 + 30)))" $blink --per-test "${only[@]}"  # 40 s a test
         log "rc=$? $name"
     done
+}
+hvdref() {  # hvdref NAME LIMIT ARGS...: Horovod's test_torch.py at -np 2 (ops_reference_suite.py), $OUT/NAME.json
+    local name=$1 limit=$2
+    shift 2
+    timeout -k 5 "$limit" python3 tests/parallel/ops_reference_suite.py \
+        --suite .carry/hvd-tests/parallel/test_torch.py -np 2 -H localhost:2 --controller=--gloo \
+        --horovodrun "$(command -v horovodrun)" --test-timeout ${HVDTEST_TIMEOUT:-60} --timeout-method thread \
+        ${HVDTEST_KEEP:+--keep-logs "$OUT/ranks/$name"} --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
 }
 for s in $STEPS; do
     declare -F "step_$s" >/dev/null || { log "unknown step $s (build runtime exact faults train step hvdtest)"; continue; }

@@ -98,12 +98,13 @@ def main() -> None:
         both, diff = _hvdtest_compared(runs)
         print(f"- verdicts compared (tests run both ways): {len(both)}; those that differ (stock, blink): "
               f"{diff or 'none'}")
+    name = _reference_suite().short_name
     alone = {side: json.loads(p.read_text())["tests"] for side, p in
              (("stock", out / "alone.json"), ("blink", out / "alone_blink.json")) if p.exists()}
     if alone:
         print("- those run again alone, stock then Blink, one job per test and nothing else running "
               "(stock, blink): " + ", ".join(
-                  f"{t.rsplit('::', 1)[-1]} ({alone.get('stock', {}).get(t, 'not run')}, "
+                  f"{name(t)} ({alone.get('stock', {}).get(t, 'not run')}, "
                   f"{alone.get('blink', {}).get(t, 'not run')})"
                   for t in sorted(set().union(*alone.values()))))
 
@@ -146,6 +147,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--differing"]:
         found = _hvdtest_runs(Path(sys.argv[2]))
         if len(found) == 2:
-            print("\n".join(t.rsplit("::", 1)[-1] for t in _hvdtest_compared(found)[1]))
+            print("\n".join(map(_reference_suite().short_name, _hvdtest_compared(found)[1])))
     else:
         main()

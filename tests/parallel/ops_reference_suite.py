@@ -63,6 +63,11 @@ def collect(python: str, suite: Path, env: dict) -> list[str]:
     return ids
 
 
+def short_name(tid: str) -> str:
+    """A test id's last part: ``test_torch.py::TorchTests::test_a`` -> ``test_a`` (what ``--only`` takes)."""
+    return tid.rsplit("::", 1)[-1]
+
+
 # Loaded into every rank (its folder on PYTHONPATH): CUDA ordinals placed on the GPUs that local ranks
 # share, and each failure's reason printed as it happens.
 PLUGIN = Path(__file__).resolve().parent / "ops_workers" / "reference_suite_plugin.py"
@@ -210,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
     ids = [t for t in collect(args.python, suite, env) if args.k in t]
     if args.only:
-        unknown = sorted(set(args.only) - {t.rsplit("::", 1)[-1] for t in ids})
+        unknown = sorted(set(args.only) - {short_name(t) for t in ids})
         if unknown:
             ap.error(f"--only: no test named {', '.join(unknown)} in {suite}" + (f" (-k {args.k!r})" if args.k else ""))
-        ids = [t for t in ids if t.rsplit("::", 1)[-1] in args.only]
+        ids = [t for t in ids if short_name(t) in args.only]
     ids = ids[shard[0]::shard[1]]
     results: dict[str, str] = _earlier_verdicts(args.done, "BLINK_ENABLE=1" if args.blink else "stock", ids)
     remaining = [t for t in ids if t not in results]
