@@ -239,9 +239,9 @@ def _allreduce_common(tensors, outputs, name, op, pre, post, process_set, stock_
     if grouped:
         for t in tensors[1:]:
             _horovod_check(factory, t)
-        devices = [str(t.device) for t in tensors]
-        if len(set(devices)) > 1:
+        if len({t.device for t in tensors}) > 1:
             # a RuntimeError, as stock Horovod's (its suite expects one), naming where each tensor is
+            devices = [str(t.device) for t in tensors]
             where = "; ".join(f"{d}: tensors {[i for i, x in enumerate(devices) if x == d]}"
                               for d in dict.fromkeys(devices))
             raise MismatchError(f"Tensors in grouped allreduce must all be on the same device ({where})")
