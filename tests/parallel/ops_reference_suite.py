@@ -2,8 +2,8 @@
 
 The reference suite is Horovod's (Apache-2.0, not part of this repository):
 put a copy of ``test/parallel/test_torch.py`` and its ``test/utils/common.py``
-in a git-ignored folder (``.build/hvd-tests/{parallel,utils}``) and
-point ``--suite`` at the test file.
+in a git-ignored folder (``.carry/hvd-tests/{parallel,utils}``, which the
+GPU acceptance carries to the device) and point ``--suite`` at the test file.
 
 The suite calls ``hvd.shutdown()`` / ``hvd.init()`` around every test; on a
 loaded machine stock Horovod 0.28.1 sometimes aborts inside ``hvd.init``
@@ -16,7 +16,7 @@ instead: slower, but a test that fails on one rank (the others then wait in
 a collective it never submits) cannot hang the tests after it.  A test passes
 only if it passed on every rank; it fails if it failed on any.
 
-    python tests/parallel/ops_reference_suite.py --suite .build/hvd-tests/parallel/test_torch.py -np 2 \\
+    python tests/parallel/ops_reference_suite.py --suite .carry/hvd-tests/parallel/test_torch.py -np 2 \\
         -H localhost:2 [--blink] [--json out.json]
 
 Every rank loads ``ops_workers/reference_suite_plugin.py``: where local ranks
