@@ -9,7 +9,6 @@ thread is the one started by ``hvd.init`` (listed as registered).  PROBE_MODE=yi
 quieting by hand on every non-main thread (the experiments before the ops layer did it itself).
 """
 import os
-import sys
 import threading
 import time
 

@@ -20,9 +20,10 @@ import json
 import sys
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
-__all__ = ["render", "main"]
+__all__ = ["main", "render"]
 
 HEADER = """\
 # Reliability: faults, how they are injected, what happens, how fast

@@ -10,4 +10,4 @@ from __future__ import annotations
 from ._stats import stats
 
 __version__ = "0.1.0"
-__all__ = ["stats", "__version__"]
+__all__ = ["__version__", "stats"]

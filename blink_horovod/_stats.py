@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["stats", "record", "record_fallback", "reset"]
+__all__ = ["record", "record_fallback", "reset", "stats"]
 
 _lock = threading.Lock()
 _counters: dict[str, Any] = {"allreduce": 0, "broadcast": 0, "bytes": 0, "fallback": 0, "seconds": 0.0}

@@ -23,9 +23,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
-__all__ = ["cache_dir", "load", "SOURCES"]
+__all__ = ["SOURCES", "cache_dir", "load"]
 
 BUILD_TIMEOUT_S = 120
 _PACKAGE = Path(__file__).parent

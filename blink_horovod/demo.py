@@ -39,7 +39,7 @@ def _worker(args: argparse.Namespace) -> int:
     import copy
 
     import torch
-    import torch.nn as nn
+    from torch import nn
     import torch.nn.functional as F
 
     import horovod.torch as hvd

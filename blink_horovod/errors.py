@@ -28,13 +28,13 @@ from __future__ import annotations
 
 __all__ = [
     "BlinkError",
+    "BlinkInternalError",
+    "BlinkTimeoutError",
     "ConfigError",
-    "TopologyError",
+    "MismatchError",
     "PlanError",
     "ScheduleError",
-    "MismatchError",
-    "BlinkTimeoutError",
-    "BlinkInternalError",
+    "TopologyError",
 ]
 
 

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import torch
-import torch.nn as nn
+from torch import nn
 import torch.nn.functional as F
 
 import horovod.torch as hvd

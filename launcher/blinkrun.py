@@ -30,12 +30,12 @@ import os
 import shlex
 import shutil
 import sys
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..config import BLINK_ENABLE, LAUNCHER_FLAGS, load_config
 from ..errors import BlinkError, ConfigError
 
-__all__ = ["main", "build_command", "split_blink_args"]
+__all__ = ["build_command", "main", "split_blink_args"]
 
 DRY_RUN = "--dry-run"
 _VAR_OF_FLAG = dict(LAUNCHER_FLAGS)

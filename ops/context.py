@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -24,8 +25,15 @@ from .fusion import fusion_threshold
 from .hierarchical import CrossTransport, Hierarchy
 from .layout import Layout, layout_from_horovod
 
-__all__ = ["HorovodView", "BlinkContext", "create_context", "configure_logging", "InitPlan", "plan_init",
-           "cross_sets_after_init"]
+__all__ = [
+    "BlinkContext",
+    "HorovodView",
+    "InitPlan",
+    "configure_logging",
+    "create_context",
+    "cross_sets_after_init",
+    "plan_init",
+]
 
 log = logging.getLogger("blink_horovod.ops")
 

@@ -35,7 +35,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -49,7 +50,7 @@ from .negotiation import DTYPE_CODES, MAX_ENTRIES, Decision, Meta, Proposal, dec
     digest, encode_failure, encode_summary, failure_of, stuck_message
 from .scaling import average_postscale, needs_scaling, scale_into
 
-__all__ = ["DeviceStages", "Handle", "Work", "Engine", "StockWaiter", "identity_value"]
+__all__ = ["DeviceStages", "Engine", "Handle", "StockWaiter", "Work", "identity_value"]
 
 log = logging.getLogger("blink_horovod.ops")
 
@@ -74,7 +75,7 @@ class Handle:
     """
 
     _ids = itertools.count(1)
-    __slots__ = ("id", "name", "_event", "_value", "_error", "_stock", "_finish", "_timeout", "_after", "__weakref__")
+    __slots__ = ("__weakref__", "_after", "_error", "_event", "_finish", "_stock", "_timeout", "_value", "id", "name")
 
     def __init__(self, name: str | None, timeout: float) -> None:
         self.id = next(Handle._ids)
@@ -225,7 +226,7 @@ class Engine:
         self.fusion_bytes = fusion_bytes
         self.stall_seconds = stall_seconds
         self._cond = threading.Condition()
-        self._queue: "collections.OrderedDict[str, Work]" = collections.OrderedDict()
+        self._queue: collections.OrderedDict[str, Work] = collections.OrderedDict()
         self._counters: dict[str, int] = {}
         self._closed = False
         self._broken: BaseException | None = None

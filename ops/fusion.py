@@ -19,14 +19,20 @@ buffer and back (Horovod's ``MemcpyInFusionBuffer`` / ``MemcpyOutFusionBuffer``)
 from __future__ import annotations
 
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from ..config import env_number
 
-__all__ = ["DEFAULT_FUSION_THRESHOLD", "fusion_threshold", "plan_buckets", "BucketTracker", "FlatBuffer",
-           "group_by_dtype"]
+__all__ = [
+    "DEFAULT_FUSION_THRESHOLD",
+    "BucketTracker",
+    "FlatBuffer",
+    "fusion_threshold",
+    "group_by_dtype",
+    "plan_buckets",
+]
 
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024
 

@@ -23,7 +23,7 @@ import importlib.util
 import sys
 from typing import Any
 
-__all__ = ["install", "installed", "TARGETS", "patch_module"]
+__all__ = ["TARGETS", "install", "installed", "patch_module"]
 
 # module -> the adapter that patches it
 TARGETS = {
@@ -32,7 +32,7 @@ TARGETS = {
     "horovod.tensorflow.keras": "blink_horovod.ops.keras_ops",
 }
 
-_FINDER: "_BlinkFinder | None" = None
+_FINDER: _BlinkFinder | None = None
 
 
 def patch_module(fullname: str, module: Any) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import BlinkError, BlinkInternalError, BlinkTimeoutError
 
-__all__ = ["cross_grace", "wait_horovod", "explained"]
+__all__ = ["cross_grace", "explained", "wait_horovod"]
 
 
 def cross_grace(timeout: float) -> float:

@@ -26,7 +26,7 @@ from typing import Any
 from .._stats import stats
 from ..errors import BlinkError
 
-__all__ = ["install", "CommunicationCallback", "check_legacy_keras"]
+__all__ = ["CommunicationCallback", "check_legacy_keras", "install"]
 
 
 def check_legacy_keras(keras: Any) -> None:

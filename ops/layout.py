@@ -18,7 +18,7 @@ Horovod numbers ranks host by host (``horovodrun -H a:2,b:2``: 0,1 on a and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..config import BLINK_LOCAL_SIZE, env_number
 from ..errors import ConfigError

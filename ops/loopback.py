@@ -12,13 +12,13 @@ them), with a timeout on every wait.
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..errors import BlinkTimeoutError
 
-__all__ = ["LoopbackCrossWorld", "LoopbackCross"]
+__all__ = ["LoopbackCross", "LoopbackCrossWorld"]
 
 _UFUNC = {"sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
 
@@ -33,7 +33,7 @@ class LoopbackCrossWorld:
         self._slots: dict[tuple[str, tuple[int, ...]], dict[int, np.ndarray]] = {}
         self._done: dict[tuple[str, tuple[int, ...]], int] = {}
 
-    def transport(self, rank: int) -> "LoopbackCross":
+    def transport(self, rank: int) -> LoopbackCross:
         return LoopbackCross(self, rank)
 
     def exchange(self, rank: int, name: str, ranks: Sequence[int], value: np.ndarray) -> list[np.ndarray]:

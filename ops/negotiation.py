@@ -56,12 +56,30 @@ import hashlib
 import json
 import zlib
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Meta", "Entry", "Proposal", "ServerView", "Decision", "decide_server", "decide_global",
-           "encode_summary", "encode_failure", "failure_of", "mismatch_message", "stuck_message", "format_ranks", "SUMMARY_LEN", "MAX_ENTRIES", "MAX_FUSED", "DTYPE_CODES", "digest"]
+__all__ = [
+    "DTYPE_CODES",
+    "MAX_ENTRIES",
+    "MAX_FUSED",
+    "SUMMARY_LEN",
+    "Decision",
+    "Entry",
+    "Meta",
+    "Proposal",
+    "ServerView",
+    "decide_global",
+    "decide_server",
+    "digest",
+    "encode_failure",
+    "encode_summary",
+    "failure_of",
+    "format_ranks",
+    "mismatch_message",
+    "stuck_message",
+]
 
 KINDS = ("allreduce", "broadcast", "stock", "barrier")
 DEVICES = ("cpu", "cuda")
@@ -123,7 +141,7 @@ class Meta:
             self.kind, f" op {self.op}" if self.kind == "allreduce" else "")
         return f"{self.kind} of {dts} shape {shapes}{extra}"
 
-    def entry(self, name: str) -> "Entry":
+    def entry(self, name: str) -> Entry:
         return Entry(name, digest(self.key()), self.fuse_class(), self.nbytes(), self.kind, self.op, self.root,
                      tuple(self.numel_by_dtype().items()), self.prescale, self.postscale, self.device)
 

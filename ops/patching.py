@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
-__all__ = ["replace_everywhere", "bypass", "bypassed", "originals", "Originals"]
+__all__ = ["Originals", "bypass", "bypassed", "originals", "replace_everywhere"]
 
 _tls = threading.local()
 

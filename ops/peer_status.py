@@ -94,7 +94,7 @@ class StatusResponder:
         while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except (socket.timeout, BlockingIOError):
+            except (TimeoutError, BlockingIOError):
                 continue
             except OSError:
                 return  # closed
@@ -138,7 +138,7 @@ def _ask(hosts: Sequence[str], port: int, deadline: float) -> dict | str:
             return json.loads(data)
         except ConnectionRefusedError:
             why = "gone"  # the host answers but nobody listens on the port: the process has exited
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             return "silent"  # connected or not, no answer in time: stopped or hung
         except (OSError, ValueError) as exc:
             why = f"unreachable: {exc}"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["scale_into", "needs_scaling", "average_postscale"]
+__all__ = ["average_postscale", "needs_scaling", "scale_into"]
 
 _FLOAT32_SCALED = (np.dtype(np.float16), np.dtype(np.float32))
 

@@ -35,7 +35,8 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -49,13 +50,13 @@ from .patching import bypass, bypassed, originals, replace_everywhere
 from .scaling import needs_scaling, scale_into
 from .horovod_wait import cross_grace, wait_horovod
 
-__all__ = ["install", "context", "disabled_reason"]
+__all__ = ["context", "disabled_reason", "install"]
 
 _PKG = "horovod.tensorflow"
 _state = Adapter()
 _m: Any = None        # horovod.tensorflow.mpi_ops
 _pkg: Any = None      # horovod.tensorflow
-_chain: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_chain: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 _TF_NAMES = {"float32": "float32", "float64": "float64", "float16": "float16", "bfloat16": "bfloat16",
              "int32": "int32", "int64": "int64", "int8": "int8", "uint8": "uint8", "int16": "int16", "bool": "bool"}

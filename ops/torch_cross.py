@@ -10,7 +10,8 @@ reduces them in place.  Every wait polls with a deadline
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 

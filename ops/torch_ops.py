@@ -33,7 +33,8 @@ and the submission order keep Horovod's semantics.
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -48,7 +49,7 @@ from .scaling import needs_scaling, scale_into
 from .horovod_wait import wait_horovod
 from .torch_cross import TorchCross
 
-__all__ = ["install", "context", "disabled_reason"]
+__all__ = ["context", "disabled_reason", "install"]
 
 _PKG = "horovod.torch"
 _state = Adapter()

@@ -28,7 +28,7 @@ from .fallback import fallback
 from .fusion import BucketTracker, fusion_threshold, plan_buckets
 from .patching import bypassed, originals, replace_everywhere
 
-__all__ = ["install", "DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "install"]
 
 _stock_factory: Any = None
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import BlinkError
 
-__all__ = ["main", "SUBCOMMANDS", "fail", "one_line"]
+__all__ = ["SUBCOMMANDS", "fail", "main", "one_line"]
 
 SUBCOMMANDS = ("plan", "topology", "simulate", "perf")
 EXIT_BAD_INPUT = 2

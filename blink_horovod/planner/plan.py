@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from ..errors import PlanError
 from ..topology.model import Topology, is_int, load_json
 
-__all__ = ["FORMAT", "CHANNELS", "COLLECTIVES", "Tree", "Plan", "validate_plan"]
+__all__ = ["CHANNELS", "COLLECTIVES", "FORMAT", "Plan", "Tree", "validate_plan"]
 
 FORMAT = "blink-plan/1"
 CHANNELS = ("nvlink", "pcie")
@@ -112,7 +113,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, data: Any) -> "Plan":
+    def from_dict(cls, data: Any) -> Plan:
         """Parse a ``blink-plan/1`` mapping; structural errors raise :class:`PlanError`."""
         if not isinstance(data, Mapping):
             raise PlanError(f"plan: expected a JSON object, got {type(data).__name__}")
@@ -177,7 +178,7 @@ class Plan:
         return plan
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         return cls.from_dict(load_json(text, PlanError, "plan: ", "a JSON plan"))
 
 

@@ -22,7 +22,7 @@ quotient is representable), integers as Horovod's CPU ``ScaleBuffer`` does,
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,18 +30,18 @@ from ..errors import ConfigError
 
 __all__ = [
     "DTYPES",
-    "OPS",
-    "NCCL_NAMES",
     "HAVE_ML_DTYPES",
-    "numpy_dtype",
-    "dtype_name",
+    "NCCL_NAMES",
+    "OPS",
+    "bf16_to_f32",
     "canonical_dtype",
     "check_op",
+    "dtype_name",
+    "f32_to_bf16",
+    "finish_average",
+    "numpy_dtype",
     "reduce_into",
     "reduce_to",
-    "finish_average",
-    "bf16_to_f32",
-    "f32_to_bf16",
 ]
 
 try:  # a real bfloat16 numpy dtype, when available

@@ -32,7 +32,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from ..config import BLINK_FAULT
 from ..errors import BlinkInternalError, ConfigError
 from ..units import parse_number
 
-__all__ = ["FAULT_ACTIONS", "FaultSpec", "parse_fault", "FaultInjector"]
+__all__ = ["FAULT_ACTIONS", "FaultInjector", "FaultSpec", "parse_fault"]
 
 FAULT_ACTIONS = ("kill", "raise", "stall", "corrupt")
 
@@ -98,7 +98,7 @@ class FaultInjector:
         self.peer_failed = peer_failed or (lambda: False)
 
     @classmethod
-    def from_config(cls, fault: str | None, rank: int, peer_failed: Callable[[], bool] | None = None) -> "FaultInjector | None":
+    def from_config(cls, fault: str | None, rank: int, peer_failed: Callable[[], bool] | None = None) -> FaultInjector | None:
         if not fault:
             return None
         return cls(parse_fault(fault), rank, peer_failed)

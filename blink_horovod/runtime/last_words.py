@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 from .. import cbuild
 
-__all__ = ["install", "uninstall", "ipv4_of"]
+__all__ = ["install", "ipv4_of", "uninstall"]
 
 log = logging.getLogger("blink_horovod.runtime")
 

@@ -33,7 +33,7 @@ from .transport import (
     WaitContext,
 )
 
-__all__ = ["LoopbackWorld", "LoopbackTransport"]
+__all__ = ["LoopbackTransport", "LoopbackWorld"]
 
 _PAGE = 4096
 
@@ -50,7 +50,7 @@ class LoopbackWorld:
         self.threads: dict[int, threading.Thread] = {}
         self.lock = threading.Lock()
 
-    def transport(self, rank: int) -> "LoopbackTransport":
+    def transport(self, rank: int) -> LoopbackTransport:
         """Rank ``rank``'s transport; call it from that rank's thread."""
         return LoopbackTransport(self, rank)
 

@@ -42,8 +42,16 @@ from ..config import BLINK_LOCAL_SIZE, Config, load_config
 from ..errors import BlinkInternalError, BlinkTimeoutError, ConfigError
 from .transport import pid_alive
 
-__all__ = ["Rendezvous", "FileRendezvous", "from_horovod", "from_mpi", "single", "new_job_id",
-           "sweep_stale_rendezvous", "RDV_PREFIX"]
+__all__ = [
+    "RDV_PREFIX",
+    "FileRendezvous",
+    "Rendezvous",
+    "from_horovod",
+    "from_mpi",
+    "new_job_id",
+    "single",
+    "sweep_stale_rendezvous",
+]
 
 RDV_PREFIX = "blink-rdv-"
 

@@ -36,7 +36,7 @@ import signal
 import tempfile
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -65,7 +65,7 @@ from .transport import (
     sleep_token,
 )
 
-__all__ = ["ShmTransport", "shm_dir", "segment_name", "linked_segments", "sweep_stale_segments"]
+__all__ = ["ShmTransport", "linked_segments", "segment_name", "shm_dir", "sweep_stale_segments"]
 
 _PAGE = 4096
 _fence_lock = threading.Lock()
@@ -167,7 +167,7 @@ class _CleanupSignals:
 
     _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __enter__(self) -> "_CleanupSignals":
+    def __enter__(self) -> _CleanupSignals:
         self.saved: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in self._SIGNALS:

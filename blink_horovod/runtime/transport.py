@@ -34,36 +34,36 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..errors import BlinkError, BlinkInternalError, BlinkTimeoutError, MismatchError
 
 __all__ = [
+    "EAGER_BYTES",
+    "META_BYTES",
+    "REASON_BYTES",
+    "STATE_ABORTED",
+    "STATE_CLOSED",
+    "STATE_OPEN",
+    "W_ABORT_KIND",
+    "W_DATA_PAGES",
+    "W_DONE",
+    "W_GEN",
+    "W_MAGIC",
+    "W_MAPPED",
+    "W_META_SEQ",
+    "W_NFLAGS",
+    "W_PID",
+    "W_READY_GEN",
+    "W_SLEEP",
+    "W_SLEEP_SEEN",
+    "W_STATE",
     "Transport",
     "WaitContext",
     "pid_alive",
-    "W_MAGIC",
-    "W_GEN",
-    "W_PID",
-    "W_STATE",
-    "W_META_SEQ",
-    "W_DONE",
-    "W_READY_GEN",
-    "W_ABORT_KIND",
-    "W_NFLAGS",
-    "W_DATA_PAGES",
-    "W_MAPPED",
-    "W_SLEEP",
-    "W_SLEEP_SEEN",
     "sleep_token",
-    "STATE_OPEN",
-    "STATE_CLOSED",
-    "STATE_ABORTED",
-    "META_BYTES",
-    "REASON_BYTES",
-    "EAGER_BYTES",
 ]
 
 log = logging.getLogger("blink_horovod.runtime")
@@ -129,7 +129,7 @@ class WaitContext:
     stall: float
 
     @classmethod
-    def start(cls, label: str, timeout: float, stall: float) -> "WaitContext":
+    def start(cls, label: str, timeout: float, stall: float) -> WaitContext:
         return cls(label, time.monotonic() + timeout, timeout, stall)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..schedule.miad import MiadTuner
 
-__all__ = ["ChunkChooser", "bucket_of", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES", "ChunkChooser", "bucket_of"]
 
 # MIAD starts from the paper's 1 MB (or the whole message, when smaller).
 DEFAULT_CHUNK_BYTES = 1 << 20

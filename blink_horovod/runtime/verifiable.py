@@ -29,7 +29,7 @@ import numpy as np
 
 from .dtypes import HAVE_ML_DTYPES, f32_to_bf16, finish_average, numpy_dtype
 
-__all__ = ["exact_limit", "make_input", "expected", "count_wrong", "to_float64"]
+__all__ = ["count_wrong", "exact_limit", "expected", "make_input", "to_float64"]
 
 _LIMIT = {
     "float16": 2048,

@@ -6,4 +6,4 @@ Knows nothing of planning, runtimes or frameworks (docs/architecture.md).
 from .machines import MACHINES, machine, parse_gpu_list, resolve
 from .model import FORMAT, Link, PCIeChannel, Topology
 
-__all__ = ["FORMAT", "Link", "PCIeChannel", "Topology", "MACHINES", "machine", "parse_gpu_list", "resolve"]
+__all__ = ["FORMAT", "MACHINES", "Link", "PCIeChannel", "Topology", "machine", "parse_gpu_list", "resolve"]

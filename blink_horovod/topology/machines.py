@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..errors import TopologyError
 from .model import Link, PCIeChannel, Topology, links_from_pairs
 
-__all__ = ["dgx1p", "dgx1v", "dgx2", "hgx_h100", "hgx_h200", "pcie", "cpu", "MACHINES", "resolve", "parse_gpu_list"]
+__all__ = ["MACHINES", "cpu", "dgx1p", "dgx1v", "dgx2", "hgx_h100", "hgx_h200", "parse_gpu_list", "pcie", "resolve"]
 
 PCIE3_GBPS = 12.0
 PCIE5_GBPS = 50.0

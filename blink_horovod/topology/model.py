@@ -17,11 +17,12 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..errors import TopologyError
 
-__all__ = ["Link", "PCIeChannel", "Topology", "FORMAT", "LINK_KINDS", "Vertex"]
+__all__ = ["FORMAT", "LINK_KINDS", "Link", "PCIeChannel", "Topology", "Vertex"]
 
 FORMAT = "blink-topology/1"
 LINK_KINDS = ("nvlink", "pcie", "net")
@@ -127,7 +128,7 @@ class Topology:
         return any(link.kind == kind for link in self.links)
 
     # -- allocations -------------------------------------------------------
-    def allocate(self, gpus: Sequence[int]) -> "Topology":
+    def allocate(self, gpus: Sequence[int]) -> Topology:
         """The sub-machine a job got: ``gpus`` and the links among them.
 
         Switch vertices stay when at least one allocated GPU reaches them; the
@@ -183,12 +184,12 @@ class Topology:
         d = self.to_dict()
         d.pop("name", None)
         d["links"] = sorted(
-            (json.dumps(l, sort_keys=True) for l in d["links"])
+            json.dumps(l, sort_keys=True) for l in d["links"]
         )
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:24]
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str | None = None) -> "Topology":
+    def from_dict(cls, data: Any, *, source: str | None = None) -> Topology:
         """Parse and validate a ``blink-topology/1`` mapping."""
         if not isinstance(data, Mapping):
             raise TopologyError(f"topology: expected a JSON object, got {type(data).__name__}")
@@ -262,7 +263,7 @@ class Topology:
         )
 
     @classmethod
-    def from_json(cls, text: str, *, source: str | None = None) -> "Topology":
+    def from_json(cls, text: str, *, source: str | None = None) -> Topology:
         data = load_json(text, TopologyError, f"{source}: " if source else "", "a JSON topology")
         return cls.from_dict(data, source=source)
 

@@ -22,7 +22,7 @@ def test_demo_prints_the_comparison_and_the_models_match(tmp_path) -> None:
     assert p.returncode == 0, (out + p.stderr)[-4000:]
     assert "2 servers x 2 ranks" in out
     assert re.search(r"stock Horovod comm \(ms\)\s+Blink comm \(ms\)", out)
-    assert len(re.findall(r"^\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x$", out, re.M)) == 4
+    assert len(re.findall(r"^\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x$", out, re.MULTILINE)) == 4
     assert re.search(r"models match: .* -> yes", out) and "all ranks hold the same Blink model: yes" in out
     m = re.search(r"stats\(\) on rank 0: (\d+) allreduces", out)
     assert m and int(m.group(1)) >= 4
