@@ -25,6 +25,8 @@ def weights(out: Path, layout: str) -> str:
     import numpy as np
 
     a, b = out / f"w_{layout}_stock.npz", out / f"w_{layout}_blink.npz"
+    if not any((out / f"train_{layout}_{impl}.log").exists() for impl in ("stock", "blink")):
+        return "not run"
     if not (a.exists() and b.exists()):
         return "missing (a job failed: see its log)"
     wa, wb = dict(np.load(a)), dict(np.load(b))
@@ -82,7 +84,7 @@ def main() -> None:
                 impl += f" ({ended} of {len(runs)} runs ended)"
             m = re.findall(r"STEP (\{.*\})", p.read_text(errors="replace")) if p.exists() else []
             if not m:
-                print(f"| {dt} | {impl} | - | - | - | - | no result |")
+                print(f"| {dt} | {impl} | - | - | - | - | {'no result' if p.exists() else 'not run'} |")
                 continue
             s = json.loads(m[-1])
             if "error" in s:

@@ -107,3 +107,17 @@ def test_the_differing_verdicts_are_named_for_a_run_alone(tmp_path, capsys, monk
     monkeypatch.setattr("sys.argv", ["gpu_ops_summary.py", str(tmp_path)])
     summary.main()
     assert "(stock, blink): test_a (PASSED, PASSED)" in capsys.readouterr().out
+
+
+def test_steps_that_did_not_run_are_said_so_not_counted_as_failed(tmp_path, capsys, monkeypatch):
+    # np2's jobs ran and the Blink one left no weights: a failure; np4 and the step times never ran
+    (tmp_path / "train_np2_stock.log").write_text("")
+    (tmp_path / "train_np2_blink.log").write_text("")
+    (tmp_path / "step_float32_1.log").write_text("no STEP line\n")
+    monkeypatch.setattr("sys.argv", ["gpu_ops_summary.py", str(tmp_path)])
+    summary.main()
+    out = capsys.readouterr().out
+    assert "- np2: missing (a job failed: see its log)" in out
+    assert "- np4: not run" in out
+    assert "| float32 | blink | - | - | - | - | no result |" in out
+    assert "| float32 | stock | - | - | - | - | not run |" in out
