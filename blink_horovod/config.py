@@ -24,6 +24,7 @@ __all__ = [
     "ALL_VARIABLES",
     "BLINK_BACKGROUND_IDLE",
     "BLINK_CHUNK_BYTES",
+    "BLINK_EAGER_BYTES",
     "BLINK_ENABLE",
     "BLINK_FAULT",
     "BLINK_GPU_SM_SHARE",
@@ -74,6 +75,11 @@ BLINK_STREAM_COPY = "BLINK_STREAM_COPY"
 # 0.5 for CUDA tensors under Horovod where ranks share a GPU: there a rank's spinning blocks must leave
 # SMs free for its peers' compute kernels, which its peers' collectives may be queued behind.
 BLINK_GPU_SM_SHARE = "BLINK_GPU_SM_SHARE"
+# Under Horovod, in a single-server job: each rank's proposal in the round that agrees on what runs next
+# (ops/negotiation.py) also carries the inputs of its queued CPU allreduces, up to this many bytes in
+# all; a round that runs only such allreduces reduces them there, every rank in the same rank order, and
+# needs no data round of its own.  A size (default 4K; 0: never).
+BLINK_EAGER_BYTES = "BLINK_EAGER_BYTES"
 
 ALL_VARIABLES = (
     BLINK_ENABLE,
@@ -89,6 +95,7 @@ ALL_VARIABLES = (
     BLINK_BACKGROUND_IDLE,
     BLINK_STREAM_COPY,
     BLINK_GPU_SM_SHARE,
+    BLINK_EAGER_BYTES,
 )
 
 # blinkrun flag -> variable (one-to-one, as Horovod's launcher argument groups).
@@ -105,6 +112,8 @@ LAUNCHER_FLAGS = {
 LOG_LEVELS = ("warning", "info", "debug")
 DEFAULT_TIMEOUT_SECONDS = 600.0
 DEFAULT_STALL_CHECK_SECONDS = 60.0
+DEFAULT_EAGER_BYTES = 4096
+MAX_EAGER_BYTES = 16384  # the proposals travel in the runtime's 64 KB metadata slots
 
 
 def _default_cache() -> Path:
@@ -129,6 +138,7 @@ class Config:
     background_idle: bool = True
     stream_copy: bool = True
     gpu_sm_share: float | None = None  # None: automatic (runtime/gpu/tree_executor.py, OVERLAP_SHARE)
+    eager_bytes: int = DEFAULT_EAGER_BYTES
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
@@ -185,6 +195,10 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     if level not in LOG_LEVELS:
         raise ConfigError(f"{BLINK_LOG_LEVEL}: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
     cache_raw = env.get(BLINK_PLAN_CACHE, "").strip()
+    eager_raw = env.get(BLINK_EAGER_BYTES, "").strip()
+    eager = parse_size(eager_raw, BLINK_EAGER_BYTES) if eager_raw else DEFAULT_EAGER_BYTES
+    if not 0 <= eager <= MAX_EAGER_BYTES:
+        raise ConfigError(f"{BLINK_EAGER_BYTES}: expected a size from 0 to {MAX_EAGER_BYTES // 1024}K, got {eager_raw!r}")
     return Config(
         enable=_flag(env, BLINK_ENABLE),
         topology=env.get(BLINK_TOPOLOGY, "").strip() or None,
@@ -200,4 +214,5 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         stream_copy=_flag(env, BLINK_STREAM_COPY, default=True),
         gpu_sm_share=env_number(env, BLINK_GPU_SM_SHARE, float, "a share of the GPU (0 < share <= 1)",
                                 lambda v: math.isfinite(v) and 0 < v <= 1, None),
+        eager_bytes=eager,
     )

@@ -148,7 +148,7 @@ def create_context(hvd: HorovodView, cross_factory: Callable[[Layout], CrossTran
 
     engine = Engine(layout.rank, layout.size, layout.server, Hierarchy(layout, comm, cross), intra,
                     cross_allgather if cross is not None else None, cfg.timeout_seconds, fusion_threshold(),
-                    cfg.stall_check_seconds)
+                    cfg.stall_check_seconds, cfg.eager_bytes)
     engine_of.append(engine)
     log.info("blink: rank %d of %d, server %d of %d (%d ranks each), topology %s", layout.rank, layout.size,
              layout.server, layout.num_servers, layout.local_size,

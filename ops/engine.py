@@ -42,6 +42,7 @@ import numpy as np
 
 from .._stats import record
 from ..errors import BlinkError, BlinkInternalError, BlinkTimeoutError, MismatchError
+from ..runtime.dtypes import dtype_name, reduce_into
 from .errors_bridge import as_horovod_error
 from .fusion import FlatBuffer
 from .hierarchical import Hierarchy
@@ -210,12 +211,16 @@ class Engine:
         At most this many bytes fused into one round (``HOROVOD_FUSION_THRESHOLD``; 0: no fusion).
     stall_seconds:
         ``BLINK_STALL_CHECK_SECONDS``: warn, naming the ranks not arrived, after this long.
+    eager_bytes:
+        ``BLINK_EAGER_BYTES``: in a single-server job, each rank's proposal carries the inputs of its
+        queued CPU allreduces, up to this many bytes in all; a round that runs only such allreduces
+        then reduces them from the proposals, with no data round after the agreement (0: never).
     """
 
     def __init__(self, rank: int, size: int, server_index: int, hierarchy: Hierarchy,
                  intra_allgather: Callable[[Any], list],
                  cross_allgather: Callable[[np.ndarray, str], np.ndarray] | None,
-                 timeout: float, fusion_bytes: int, stall_seconds: float = 60.0) -> None:
+                 timeout: float, fusion_bytes: int, stall_seconds: float = 60.0, eager_bytes: int = 0) -> None:
         self.rank = rank
         self.size = size
         self.server_index = server_index
@@ -225,6 +230,10 @@ class Engine:
         self.timeout = timeout
         self.fusion_bytes = fusion_bytes
         self.stall_seconds = stall_seconds
+        # (the eager path needs every rank's proposal in one allgather: one server only)
+        self.eager_bytes = eager_bytes if cross_allgather is None else 0
+        self._proposals: list[Proposal] = []  # the last round's, as every rank of the server sent them
+        self.eager_rounds = 0  # rounds whose allreduces were reduced from the proposals
         self._cond = threading.Condition()
         self._queue: collections.OrderedDict[str, Work] = collections.OrderedDict()
         self._counters: dict[str, int] = {}
@@ -347,7 +356,22 @@ class Engine:
             works = list(itertools.islice(self._queue.values(), MAX_ENTRIES))
             metas = tuple((w.name, w.meta) for w in works if self._want_meta and digest(w.name) in self._want_meta)
             overdue = self._stuck_asked or time.monotonic() - works[0].since > self.timeout
-            return Proposal(self.rank, tuple(w.entry for w in works), metas=metas, overdue=overdue)
+            return Proposal(self.rank, tuple(w.entry for w in works), metas=metas, overdue=overdue,
+                            payloads=self._payloads(works))
+
+    def _payloads(self, works: Sequence[Work]) -> tuple[tuple[str, tuple[np.ndarray, ...]], ...]:
+        """Copies of the inputs of the queued CPU allreduces, oldest first, while they fit ``eager_bytes``."""
+        out: list[tuple[str, tuple[np.ndarray, ...]]] = []
+        left = self.eager_bytes
+        for w in works:
+            if left <= 0:
+                break
+            m = w.meta
+            if m.kind != "allreduce" or m.device != "cpu" or m.process_set or w.nbytes > left:
+                continue
+            out.append((w.name, tuple(np.array(a, copy=True) for a in w.arrays)))
+            left -= w.nbytes
+        return tuple(out)
 
     def _rounds(self) -> None:
         delay = 0.0
@@ -422,6 +446,7 @@ class Engine:
             if self.cross_allgather is not None:  # a server-mate is dead or stalled: tell the other servers
                 self._tell_servers(encode_failure(type(err).__name__, str(err), self.rank), name)
             raise err from None
+        self._proposals = proposals
         view = decide_server(proposals)
         summaries = None
         if self.cross_allgather is not None:
@@ -576,6 +601,13 @@ class Engine:
         if meta.device != "cpu":
             self._device_stages("allreduce").allreduce(works, op, post, f"blink.{self._round}")
             return
+        inputs = self._eager_inputs(works)
+        if inputs is not None:
+            self.eager_rounds += 1
+            for i, w in enumerate(works):
+                for j, a in enumerate(w.arrays):
+                    self._reduce_eager(a, [rank_inputs[i][j] for rank_inputs in inputs], op, post)
+            return
         arrays = [a for w in works for a in w.arrays]
         for gi, group in enumerate(self._groups(arrays)):
             buf = FlatBuffer(group)
@@ -583,6 +615,33 @@ class Engine:
             if needs_scaling(post):
                 scale_into(buf.flat, buf.flat, post)
             buf.copy_out()
+
+    def _eager_inputs(self, works: Sequence[Work]) -> list[list[tuple[np.ndarray, ...]]] | None:
+        """Every rank's inputs of ``works`` (rank by rank) where the round's proposals carried them all, else None.
+
+        Every rank of the server sees the same proposals and the same decision, so all take the same path.
+        """
+        rows: list[list[tuple[np.ndarray, ...]]] = []
+        for p in self._proposals:
+            if p.joined or not p.payloads:
+                return None
+            carried = dict(p.payloads)
+            row = [carried.get(w.name) for w in works]
+            if any(r is None or len(r) != len(w.arrays) for r, w in zip(row, works)):
+                return None
+            rows.append(row)  # type: ignore[arg-type]
+        return rows or None
+
+    @staticmethod
+    def _reduce_eager(out: np.ndarray, inputs: Sequence[np.ndarray], op: str, post: float) -> None:
+        """``out`` becomes ``op`` over ``inputs`` (in rank order: the same bits on every rank), then scaled."""
+        dtype = dtype_name(out.dtype)
+        acc = np.array(inputs[0], copy=True).reshape(-1)
+        for x in inputs[1:]:
+            reduce_into(acc, x.reshape(-1), op, dtype)
+        if needs_scaling(post):
+            scale_into(acc, acc, post)
+        out[...] = acc.reshape(out.shape)
 
     def _run_broadcast(self, works: list[Work]) -> None:
         root = works[0].meta.root

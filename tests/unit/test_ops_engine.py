@@ -37,7 +37,8 @@ def cfg(tmp_path_factory):
     return load_config({"BLINK_PLAN_CACHE": str(tmp_path_factory.mktemp("plans")), "BLINK_TIMEOUT_SECONDS": "30"})
 
 
-def run_job(cfg, servers: int, local: int, body: Callable[[int, Engine], Any], fusion_bytes: int = 1 << 20) -> list:
+def run_job(cfg, servers: int, local: int, body: Callable[[int, Engine], Any], fusion_bytes: int = 1 << 20,
+            eager_bytes: int = 0) -> list:
     """Run ``body(rank, engine)`` on ``servers x local`` thread ranks; re-raise the lowest failing rank's error."""
     size = servers * local
     worlds = [LoopbackWorld(local) for _ in range(servers)]
@@ -53,7 +54,8 @@ def run_job(cfg, servers: int, local: int, body: Callable[[int, Engine], Any], f
             cross = cross_world.transport(rank) if servers > 1 else None
             intra = comm.allgather_object if comm is not None else (lambda o: [o])
             xag = (lambda row, name: cross.allgather_rows(row, layout.cross_ranks(), name)) if cross else None
-            engine = Engine(rank, size, layout.server, Hierarchy(layout, comm, cross), intra, xag, 30.0, fusion_bytes)
+            engine = Engine(rank, size, layout.server, Hierarchy(layout, comm, cross), intra, xag, 30.0, fusion_bytes,
+                            eager_bytes=eager_bytes)
             return body(rank, engine)
         finally:
             if engine is not None:
@@ -285,3 +287,65 @@ def test_a_named_op_left_pending_across_a_barrier(cfg) -> None:
 
     for out in run_job(cfg, 1, 3, body):
         np.testing.assert_array_equal(out, np.full(3, 3.0, dtype=np.float32))
+
+
+@pytest.mark.parametrize("local", [1, 3, 4])
+def test_small_allreduces_reduced_inside_the_agreement_round(cfg, local: int) -> None:
+    """BLINK_EAGER_BYTES: the proposals carry small inputs; the same exact results as the data rounds give,
+    the same bits on every rank, and the data round skipped only where every rank carried every input."""
+    def body(rank, engine):
+        out = {}
+        for dt in ("int32", "float32", "int8", "uint8", "int16", "int64", "float64", "float16"):
+            x = data(rank, 101, dt)
+            allreduce(engine, x, "sum")
+            out[dt] = x
+        lo = allreduce(engine, data(rank, 10, "int64"), "min")
+        hi = allreduce(engine, data(rank, 10, "int64"), "max")
+        prod = allreduce(engine, np.array([1, 2, -1, 3], dtype=np.int32) + (rank % 2), "product")
+        avg = allreduce(engine, np.array([-7, -3, 1, 5, 6], dtype=np.int32) + rank, "average")
+        f = allreduce(engine, np.linspace(-2, 2, 9, dtype=np.float32) * (rank + 1), "sum", pre=0.3, post=1.7)
+        eager = engine.eager_rounds
+        big = allreduce(engine, data(rank, 4096, "float32"), "sum")  # 16 KB: past 4 KB, a data round
+        # queued small ones, fused into few rounds, then one joined rank: data rounds again
+        handles = [allreduce(engine, np.full(5 + i, i + rank, dtype=np.float32), "sum", wait=False) for i in range(12)]
+        fused = [h.wait() for h in handles]
+        return out, lo, hi, prod, avg, f, eager, engine.eager_rounds, big, fused
+
+    rows = run_job(cfg, 1, local, body, eager_bytes=4096)
+    for out, lo, hi, prod, avg, f, eager, eager_after, big, fused in rows:
+        for dt, x in out.items():
+            want = sum(data(r, 101, "int64") for r in range(local)).astype(dt)
+            np.testing.assert_array_equal(x, want, err_msg=dt)
+        np.testing.assert_array_equal(lo, data(0, 10, "int64"))
+        np.testing.assert_array_equal(hi, data(local - 1, 10, "int64"))
+        np.testing.assert_array_equal(prod, np.prod([np.array([1, 2, -1, 3]) + (r % 2) for r in range(local)], axis=0))
+        s = sum(np.array([-7, -3, 1, 5, 6], dtype=np.int64) + r for r in range(local))
+        np.testing.assert_array_equal(avg, np.trunc(s * (1.0 / local)).astype(np.int32))
+        parts = [np.linspace(-2, 2, 9, dtype=np.float32) * (r + 1) * np.float32(0.3) for r in range(local)]
+        np.testing.assert_allclose(f, np.sum(parts, axis=0, dtype=np.float64) * np.float32(1.7), rtol=1e-6, atol=1e-6)
+        assert eager == 13  # every one of the 13 small allreduces above, none through a data round
+        np.testing.assert_array_equal(big, sum(data(r, 4096, "float32") for r in range(local)))
+        for i, o in enumerate(fused):
+            np.testing.assert_array_equal(o, np.full(5 + i, local * i + local * (local - 1) // 2, dtype=np.float32))
+        assert eager_after > eager  # the queued small ones too
+    for got in rows[1:]:  # the same bits on every rank
+        np.testing.assert_array_equal(got[5].view(np.uint32), rows[0][5].view(np.uint32))
+
+
+def test_eager_rounds_leave_the_mismatch_and_join_paths_as_they_are(cfg) -> None:
+    def body(rank, engine):
+        with pytest.raises(MismatchError) as info:
+            allreduce(engine, np.zeros(17 + (rank == 2), dtype=np.float32))
+        if rank == 0:
+            last = join(engine)
+            return str(info.value), None, last, engine.eager_rounds
+        x = allreduce(engine, np.ones(6, dtype=np.int32) * rank, "sum")  # rank 0 joined: a data round
+        last = join(engine)
+        return str(info.value), x, last, engine.eager_rounds
+
+    for rank, (msg, x, last, eager) in enumerate(run_job(cfg, 1, 3, body, eager_bytes=4096)):
+        assert "shape differs: rank 2 sent [18], ranks 0, 1 sent [17]" in msg
+        if rank:
+            np.testing.assert_array_equal(x, np.full(6, 3, dtype=np.int32))
+        assert last in (1, 2)
+        assert eager == 0
