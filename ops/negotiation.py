@@ -11,7 +11,10 @@ itself, so its engine runs the same agreement before any byte moves
 
 1. within the server, the ranks allgather their *proposals* -- the queued
    collectives as compact :class:`Entry` tuples (name, metadata digest,
-   fusion class, bytes) -- over the runtime's shared metadata slots;
+   fusion class, bytes) -- over the runtime's shared metadata slots; in a
+   single-server job a proposal also carries the inputs of small CPU
+   allreduces (``BLINK_EAGER_BYTES``), which a round of only such
+   allreduces reduces on every rank without a data round of its own;
 2. across servers (multi-server jobs), every rank allgathers its server's
    fixed-size summary (the entries ready on all of the server's ranks) with
    its cross-server peers, a Horovod process set;
