@@ -182,7 +182,8 @@ class Proposal:
     metas: tuple[tuple[str, Meta], ...] = ()  # full metadata, only for names a previous round found mismatched
     overdue: bool = False  # nothing this rank queued has run for BLINK_TIMEOUT_SECONDS (or a round asked)
     # small CPU allreduces' inputs, carried in the round itself (BLINK_EAGER_BYTES): name -> its arrays
-    payloads: tuple[tuple[str, tuple[np.ndarray, ...]], ...] = ()
+    # (left out of == and hash: numpy arrays have neither as a proposal needs them)
+    payloads: tuple[tuple[str, tuple[np.ndarray, ...]], ...] = field(default=(), compare=False)
 
 
 Groups = tuple  # ((Meta, (rank, ...)), ...): one collective's metadata as the ranks sent it, grouped by value
